@@ -1,0 +1,20 @@
+"""Self-RAG query engine and Relevant Segment Extraction for LlamaIndex."""
+
+from llama_index.packs.self_rag_rse.calibration import beta_cdf, calibrate_beta, calibrate_minmax
+from llama_index.packs.self_rag_rse.chunk_index import CHUNK_INDEX_KEY, ChunkIndexer
+from llama_index.packs.self_rag_rse.plot import plot_segments
+from llama_index.packs.self_rag_rse.postprocessor import (
+    RelevantSegmentPostprocessor,
+    Segment,
+    SegmentExtraction,
+)
+from llama_index.packs.self_rag_rse.segments import (
+    PRESETS,
+    RSEPreset,
+    adjust_for_length,
+    chunk_value,
+    find_best_segments,
+    get_preset,
+)
+
+__all__ = ["CHUNK_INDEX_KEY", "PRESETS", "ChunkIndexer", "RSEPreset", "RelevantSegmentPostprocessor", "Segment", "SegmentExtraction", "adjust_for_length", "beta_cdf", "calibrate_beta", "calibrate_minmax", "chunk_value", "find_best_segments", "get_preset", "plot_segments"]  # fmt: skip

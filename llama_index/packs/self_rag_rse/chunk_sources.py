@@ -1,0 +1,160 @@
+"""Where the postprocessor reads chunks that retrieval did not return.
+
+A :class:`ChunkRequest` says what is needed (a document's ordered node ids, nodes by id, nodes by
+chunk index, or whole documents); :class:`ChunkSource` answers it from a docstore or a vector
+store, synchronously or asynchronously, as one batched call per request. Keeping the requests as
+data lets the segment logic be written once and driven by either a sync or an async loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llama_index.core.schema import BaseNode
+from llama_index.core.storage.docstore.types import BaseDocumentStore
+from llama_index.core.vector_stores.types import (
+    BasePydanticVectorStore,
+    FilterCondition,
+    FilterOperator,
+    MetadataFilter,
+    MetadataFilters,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ChunkRequest:
+    """One batched read. ``kind`` is one of:
+
+    - ``"ref_doc_ids"``: ordered node ids of each document in ``doc_ids`` (docstore only);
+    - ``"node_ids"``: the nodes with ids ``node_ids``;
+    - ``"chunk_indices"``: the nodes whose ``index_key`` metadata is in ``indices[doc_id]``;
+    - ``"documents"``: every node of each document in ``doc_ids`` (at most ``limit``).
+    """
+
+    kind: str
+    doc_ids: list[str] = field(default_factory=list)
+    node_ids: list[str] = field(default_factory=list)
+    indices: dict[str, list[int]] = field(default_factory=dict)
+    limit: int | None = None
+
+
+@dataclass
+class ChunkSource:
+    """Reads chunks from a docstore and/or a vector store.
+
+    ``doc_id_key`` is the payload key that holds a node's source document id in the vector store
+    (LlamaIndex writes ``doc_id``, ``document_id`` and ``ref_doc_id``); ``index_key`` is the chunk
+    index metadata key that :class:`~llama_index.packs.self_rag_rse.ChunkIndexer` writes. A store
+    that fails a read is logged and treated as having returned nothing, so callers degrade instead
+    of losing the query; ``calls`` counts reads for benchmarks and tests.
+    """
+
+    docstore: BaseDocumentStore | None = None
+    vector_store: BasePydanticVectorStore | None = None
+    doc_id_key: str = "doc_id"
+    index_key: str = "chunk_index"
+    calls: int = 0
+
+    @property
+    def can_read(self) -> bool:
+        """Whether any store is attached."""
+        return self.docstore is not None or self.vector_store is not None
+
+    def supports(self, kind: str) -> bool:
+        """Whether this source can answer requests of ``kind``."""
+        if kind == "ref_doc_ids":
+            return self.docstore is not None
+        if kind in ("chunk_indices", "documents"):
+            return self.vector_store is not None
+        return self.can_read
+
+    # -- sync -------------------------------------------------------------------------------
+    def run(self, request: ChunkRequest) -> Any:
+        """Answer ``request`` with blocking calls."""
+        self.calls += 1
+        try:
+            if request.kind == "ref_doc_ids":
+                assert self.docstore is not None
+                infos = {d: self.docstore.get_ref_doc_info(d) for d in request.doc_ids}
+                return {d: list(i.node_ids) for d, i in infos.items() if i is not None}
+            if request.kind == "node_ids":
+                if self.docstore is not None:
+                    return self.docstore.get_nodes(request.node_ids, raise_error=False)
+                assert self.vector_store is not None
+                return self.vector_store.get_nodes(node_ids=request.node_ids)
+            assert self.vector_store is not None
+            filters, limit = self._filters(request)
+            return self.vector_store.get_nodes(filters=filters, limit=limit)
+        except Exception as error:  # a store's own failure must not lose the query
+            return self._failed(request, error)
+
+    # -- async ------------------------------------------------------------------------------
+    async def arun(self, request: ChunkRequest) -> Any:
+        """Answer ``request`` with the stores' async APIs."""
+        self.calls += 1
+        try:
+            if request.kind == "ref_doc_ids":
+                assert self.docstore is not None
+                infos = {d: await self.docstore.aget_ref_doc_info(d) for d in request.doc_ids}
+                return {d: list(i.node_ids) for d, i in infos.items() if i is not None}
+            if request.kind == "node_ids":
+                if self.docstore is not None:
+                    return await self.docstore.aget_nodes(request.node_ids, raise_error=False)
+                assert self.vector_store is not None
+                return await self.vector_store.aget_nodes(node_ids=request.node_ids)
+            assert self.vector_store is not None
+            filters, limit = self._filters(request)
+            return await self.vector_store.aget_nodes(filters=filters, limit=limit)
+        except Exception as error:
+            return self._failed(request, error)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _filters(self, request: ChunkRequest) -> tuple[MetadataFilters, int | None]:
+        if request.kind == "documents":
+            return (
+                MetadataFilters(
+                    filters=[
+                        MetadataFilter(
+                            key=self.doc_id_key, value=request.doc_ids, operator=FilterOperator.IN
+                        )
+                    ]
+                ),
+                request.limit,
+            )
+        if request.kind == "chunk_indices":
+            per_document: list[MetadataFilter | MetadataFilters] = [
+                MetadataFilters(
+                    filters=[
+                        MetadataFilter(key=self.doc_id_key, value=doc_id),
+                        MetadataFilter(key=self.index_key, value=indices, operator=FilterOperator.IN),
+                    ],
+                    condition=FilterCondition.AND,
+                )
+                for doc_id, indices in request.indices.items()
+            ]
+            needed = sum(len(v) for v in request.indices.values())
+            return MetadataFilters(filters=per_document, condition=FilterCondition.OR), needed
+        raise ValueError(f"unknown chunk request kind {request.kind!r}")
+
+    def _failed(self, request: ChunkRequest, error: Exception) -> Any:
+        store = self.docstore if request.kind in ("ref_doc_ids",) else self.vector_store
+        logger.warning(
+            "could not read %s from %s (%s: %s); segments will only join chunks already at "
+            "hand. Fix: pass a docstore that holds the nodes, or a vector store whose "
+            "get_nodes() supports node ids and metadata filters.",
+            request.kind,
+            type(store).__name__,
+            type(error).__name__,
+            error,
+        )
+        return {} if request.kind == "ref_doc_ids" else []
+
+
+def nodes_by_id(nodes: Sequence[BaseNode]) -> dict[str, BaseNode]:
+    """Index nodes by id (the last one wins on duplicates)."""
+    return {node.node_id: node for node in nodes}

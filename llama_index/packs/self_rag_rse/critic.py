@@ -1,0 +1,115 @@
+"""The contract between the Self-RAG engine and its critics.
+
+A critic answers three questions for the engine: should we retrieve for this query, what does the
+model answer from each paragraph (and how relevant, supported and useful is that answer), and what
+does it answer with no evidence at all. The reflection-token critic (llama.cpp, Self-RAG GGUFs) and
+the prompted critic (any LlamaIndex LLM) both implement :class:`Critic`, so the engine never knows
+which one it drives. Nothing here imports LlamaIndex.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@dataclass
+class RetrievalDecision:
+    """The gate's verdict for one query.
+
+    ``probability`` is p(retrieve) normalised against p(no retrieve), or ``None`` when the critic
+    could only read a discrete verdict. ``answer`` is filled when the critic generated the
+    no-retrieval answer in the same pass (the reflection critic does, from the same KV cache).
+    """
+
+    retrieve: bool
+    probability: float | None = None
+    answer: str | None = None
+
+
+@dataclass
+class ParagraphJudgement:
+    """One paragraph's answer and its three reflection scores.
+
+    ``relevance`` and ``support`` lie in [0, 1], ``utility`` in [-1, 1] (the paper's weights
+    -1, -0.5, 0, 0.5, 1 over Utility:1..5). ``seq_score`` is exp(mean token log-prob) of the
+    answer when the critic can read log-probs. ``error`` is set, with all scores 0, when this
+    paragraph failed but the others did not.
+    """
+
+    answer: str
+    relevance: float
+    support: float
+    utility: float
+    seq_score: float | None = None
+    error: str | None = None
+
+    def score(
+        self,
+        w_rel: float = 1.0,
+        w_sup: float = 1.0,
+        w_use: float = 0.5,
+        use_seqscore: bool = False,
+    ) -> float:
+        """Self-RAG's final score: [seq] + w_rel·IsREL + w_sup·IsSUP + w_use·IsUSE."""
+        return final_score(
+            self.relevance,
+            self.support,
+            self.utility,
+            self.seq_score,
+            w_rel=w_rel,
+            w_sup=w_sup,
+            w_use=w_use,
+            use_seqscore=use_seqscore,
+        )
+
+
+def final_score(
+    relevance: float,
+    support: float,
+    utility: float,
+    seq_score: float | None = None,
+    *,
+    w_rel: float = 1.0,
+    w_sup: float = 1.0,
+    w_use: float = 0.5,
+    use_seqscore: bool = False,
+) -> float:
+    """Combine the reflection scores as the paper does.
+
+    ``use_seqscore`` adds the answer's sequence score (exp of the mean token log-prob), which
+    favours fluent, confident answers; a critic that cannot read log-probs contributes 0 there.
+    """
+    total = w_rel * relevance + w_sup * support + w_use * utility
+    if use_seqscore and seq_score is not None:
+        total += seq_score
+    return float(total)
+
+
+@runtime_checkable
+class Critic(Protocol):
+    """What the engine needs from a critic backend; one class per backend."""
+
+    #: Short name shown in traces: ``"reflection"`` or ``"prompted"``.
+    name: str
+
+    def decide_retrieval(
+        self, query: str, threshold: float | None, answer_if_skipped: bool = True
+    ) -> RetrievalDecision:
+        """Decide whether ``query`` needs evidence; ``threshold=None`` lets the greedy token decide."""
+        ...
+
+    def judge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
+        """Answer ``query`` from each paragraph and score each answer, in input order."""
+        ...
+
+    def generate(self, query: str) -> str:
+        """Answer ``query`` with no evidence."""
+        ...
+
+
+async def run_in_thread(func, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+    """Run blocking critic work off the event loop (llama.cpp releases the GIL while decoding)."""
+    return await asyncio.to_thread(func, *args, **kwargs)

@@ -32,8 +32,8 @@ from llama_index.core.storage.docstore.types import BaseDocumentStore
 from llama_index.core.vector_stores.types import BasePydanticVectorStore
 
 from llama_index.packs.self_rag_rse.calibration import (
-    COHERE_BETA,
-    VOYAGE_BETA,
+    COHERE_RERANK_BETA,
+    VOYAGE_RERANK_BETA,
     calibrate_beta,
     calibrate_minmax,
 )
@@ -236,9 +236,9 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         if self.calibration == "cosine":
             return calibrate_minmax(scores, *self.cosine_range)
         if self.calibration == "cohere":
-            return calibrate_beta(scores, *COHERE_BETA)
+            return calibrate_beta(scores, *COHERE_RERANK_BETA)
         if self.calibration == "voyage":
-            return calibrate_beta(scores, *VOYAGE_BETA)
+            return calibrate_beta(scores, *VOYAGE_RERANK_BETA)
         return scores
 
     def _source(self) -> ChunkSource:

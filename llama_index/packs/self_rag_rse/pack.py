@@ -1,0 +1,54 @@
+"""``SelfRAGPack``: the LlamaPack wrapper, importable on cores with or without ``llama_pack``."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from llama_index.packs.self_rag_rse.query_engine import SelfRAGQueryEngine
+
+try:  # llama-index-core <= 0.14.20 ships the pack base class; 0.14.21 removed it.
+    from llama_index.core.llama_pack.base import BaseLlamaPack
+except ImportError:
+
+    class BaseLlamaPack(ABC):  # type: ignore[no-redef]
+        """Stand-in for the removed ``llama_index.core.llama_pack.base.BaseLlamaPack``."""
+
+        @abstractmethod
+        def get_modules(self) -> dict[str, Any]:
+            """Return the pack's modules."""
+
+        @abstractmethod
+        def run(self, *args: Any, **kwargs: Any) -> Any:
+            """Run the pack."""
+
+
+class SelfRAGPack(BaseLlamaPack):
+    """Self-RAG as a LlamaPack: builds a :class:`SelfRAGQueryEngine` and queries it.
+
+    Unlike the upstream pack, extra keyword arguments reach the engine (``llm=``, ``threshold=``,
+    ``node_postprocessors=``, ...).
+    """
+
+    def __init__(
+        self,
+        model_path: str | None = None,
+        retriever: Any = None,
+        verbose: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        self.query_engine = SelfRAGQueryEngine(model_path, retriever, verbose, **kwargs)
+        self.retriever = retriever
+        self.verbose = verbose
+
+    def get_modules(self) -> dict[str, Any]:
+        """The engine, its retriever and its critic."""
+        return {
+            "query_engine": self.query_engine,
+            "retriever": self.retriever,
+            "critic": self.query_engine.critic,
+        }
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """Query the engine: ``pack.run("question")``."""
+        return self.query_engine.query(*args, **kwargs)

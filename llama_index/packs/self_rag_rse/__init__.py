@@ -1,13 +1,27 @@
 """Self-RAG query engine and Relevant Segment Extraction for LlamaIndex."""
 
-from llama_index.packs.self_rag_rse.calibration import beta_cdf, calibrate_beta, calibrate_minmax
+from llama_index.packs.self_rag_rse.calibration import (
+    COHERE_RERANK_BETA,
+    VOYAGE_RERANK_BETA,
+    beta_cdf,
+    calibrate_beta,
+    calibrate_minmax,
+)
 from llama_index.packs.self_rag_rse.chunk_index import CHUNK_INDEX_KEY, ChunkIndexer
+from llama_index.packs.self_rag_rse.critic import (
+    Critic,
+    ParagraphJudgement,
+    RetrievalDecision,
+    final_score,
+)
+from llama_index.packs.self_rag_rse.pack import SelfRAGPack
 from llama_index.packs.self_rag_rse.plot import plot_segments
 from llama_index.packs.self_rag_rse.postprocessor import (
     RelevantSegmentPostprocessor,
     Segment,
     SegmentExtraction,
 )
+from llama_index.packs.self_rag_rse.query_engine import SelfRAGQueryEngine
 from llama_index.packs.self_rag_rse.segments import (
     PRESETS,
     RSEPreset,
@@ -17,4 +31,4 @@ from llama_index.packs.self_rag_rse.segments import (
     get_preset,
 )
 
-__all__ = ["CHUNK_INDEX_KEY", "PRESETS", "ChunkIndexer", "RSEPreset", "RelevantSegmentPostprocessor", "Segment", "SegmentExtraction", "adjust_for_length", "beta_cdf", "calibrate_beta", "calibrate_minmax", "chunk_value", "find_best_segments", "get_preset", "plot_segments"]  # fmt: skip
+__all__ = ["CHUNK_INDEX_KEY", "COHERE_RERANK_BETA", "PRESETS", "VOYAGE_RERANK_BETA", "ChunkIndexer", "Critic", "ParagraphJudgement", "RSEPreset", "RelevantSegmentPostprocessor", "RetrievalDecision", "Segment", "SegmentExtraction", "SelfRAGPack", "SelfRAGQueryEngine", "adjust_for_length", "beta_cdf", "calibrate_beta", "calibrate_minmax", "chunk_value", "final_score", "find_best_segments", "get_preset", "plot_segments"]  # fmt: skip

@@ -331,7 +331,8 @@ class SelfRAGQueryEngine(CustomQueryEngine):
     ) -> Generator[_Step, Any, _Candidate | None]:
         """Regenerate an unsupported answer, then fall back to the next-best supported one."""
         ranked = sorted(
-            (c for c in candidates if c.judgement.error is None), key=lambda c: -c.score
+            (c for c in candidates if c.judgement.error is None and c.judgement.answer.strip()),
+            key=lambda c: -c.score,
         )
         if not ranked or ranked[0].judgement.support >= self.support_threshold:
             return ranked[0] if ranked else None
@@ -370,9 +371,12 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             meta["best"] = next(i for i, c in enumerate(candidates) if c is best)
         if self.verbose:
             _print_table(candidates, meta)
+        # Best first: the chosen paragraph, then the rest by score (an empty answer can outscore
+        # the chosen one but cannot be the response).
+        ranked = sorted(candidates, key=lambda c: (c is not best, -c.score))
         sources = [
             NodeWithScore(node=c.node.node, score=c.score if c.judgement.error is None else None)
-            for c in sorted(candidates, key=lambda c: -c.score)
+            for c in ranked
         ]
         return Response(response=answer, source_nodes=sources, metadata={"self_rag": meta})
 
@@ -448,7 +452,8 @@ def _paragraph(item: NodeWithScore) -> str:
 
 
 def _best(candidates: list[_Candidate]) -> _Candidate | None:
-    usable = [c for c in candidates if c.judgement.error is None]
+    """Highest-scoring paragraph with an answer (an empty answer cannot be the response)."""
+    usable = [c for c in candidates if c.judgement.error is None and c.judgement.answer.strip()]
     return max(usable, key=lambda c: c.score) if usable else None
 
 

@@ -1,0 +1,237 @@
+"""SelfRAGQueryEngine on real llama.cpp (tiny Self-RAG GGUF) and its response contract."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+from llama_index.packs.self_rag_rse import SelfRAGPack, SelfRAGQueryEngine
+from llama_index.packs.self_rag_rse.reflection_critic import ReflectionCritic
+
+PARAGRAPHS = [
+    ("p-while", "The while statement repeats a suite while an expression is true.", "while"),
+    ("p-for", "The for statement iterates over the items of a sequence.", "for"),
+    ("p-if", "The if statement selects exactly one suite by evaluating expressions.", None),
+]
+
+
+class FixedRetriever(BaseRetriever):
+    """Returns the same scored nodes for every query (the retriever is not under test here)."""
+
+    def __init__(self, nodes: list[NodeWithScore] | None = None) -> None:
+        super().__init__()
+        self.nodes = nodes if nodes is not None else make_nodes()
+        self.queries: list[str] = []
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        self.queries.append(query_bundle.query_str)
+        return [NodeWithScore(node=n.node, score=n.score) for n in self.nodes]
+
+
+def make_nodes() -> list[NodeWithScore]:
+    out = []
+    for i, (node_id, text, title) in enumerate(PARAGRAPHS):
+        metadata = {"title": title, "source": "unit"} if title else {"source": "unit"}
+        out.append(NodeWithScore(node=TextNode(id_=node_id, text=text, metadata=metadata), score=0.9 - 0.1 * i))
+    return out
+
+
+@pytest.fixture
+def engine(tiny_llm):
+    return SelfRAGQueryEngine(llm=tiny_llm, retriever=FixedRetriever(), mode="always_retrieve")
+
+
+def test_response_contract(engine, tiny_llm):
+    response = engine.query("What does the while statement do?")
+    meta = response.metadata["self_rag"]
+    assert meta["critic"] == "reflection" and meta["retrieve"] is True
+    assert [p["node_id"] for p in meta["paragraphs"]] == ["p-while", "p-for", "p-if"]
+    best = meta["best"]
+    assert response.response == meta["paragraphs"][best]["answer"].strip()
+    # Sources are the original nodes (ids, metadata), scored with the final score, best first.
+    assert [s.node.node_id for s in response.source_nodes][0] == meta["paragraphs"][best]["node_id"]
+    assert response.source_nodes[0].node.metadata["source"] == "unit"
+    rest = [s.score for s in response.source_nodes[1:]]
+    assert rest == sorted(rest, reverse=True)
+    for p in meta["paragraphs"]:
+        expected = p["relevance"] + p["support"] + 0.5 * p["utility"]
+        assert p["score"] == pytest.approx(expected)
+    # The scores are the critic's own, computed once per paragraph from the real logits.
+    critic = ReflectionCritic(tiny_llm)
+    direct = critic.judge(
+        "What does the while statement do?",
+        [f"{t}\n{x}" if t else x for _, x, t in PARAGRAPHS],
+    )
+    for p, j in zip(meta["paragraphs"], direct, strict=True):
+        assert p["relevance"] == pytest.approx(j.relevance, abs=1e-6)
+        assert p["support"] == pytest.approx(j.support, abs=1e-6)
+        assert p["utility"] == pytest.approx(j.utility, abs=1e-6)
+        assert p["answer"] == j.answer
+
+
+def test_weights_and_seqscore_change_the_ranking_formula(tiny_llm):
+    engine = SelfRAGQueryEngine(
+        llm=tiny_llm,
+        retriever=FixedRetriever(),
+        mode="always_retrieve",
+        w_rel=0.0,
+        w_sup=2.0,
+        w_use=1.0,
+        use_seqscore=True,
+    )
+    meta = engine.query("for loops?").metadata["self_rag"]
+    for p in meta["paragraphs"]:
+        assert p["seq_score"] is not None and 0.0 < p["seq_score"] <= 1.0
+        assert p["score"] == pytest.approx(p["seq_score"] + 2.0 * p["support"] + p["utility"])
+
+
+def test_drop_in_positional_constructor_and_generate_kwargs(tiny_gguf_paths):
+    retriever = FixedRetriever()
+    engine = SelfRAGQueryEngine(
+        str(tiny_gguf_paths["user_defined"]),
+        retriever,
+        False,
+        {"n_ctx": 1024, "n_threads": 2},
+        {"max_tokens": 12, "temperature": 0.0},
+    )
+    assert engine.critic.name == "reflection"
+    assert engine.max_new_tokens == 12
+    assert engine.query("anything").response is not None
+
+
+def test_llamacpp_wrapper_is_accepted(tiny_gguf_paths):
+    from llama_index.llms.llama_cpp import LlamaCPP
+
+    llm = LlamaCPP(
+        model_path=str(tiny_gguf_paths["control"]),
+        model_kwargs={"n_ctx": 1024, "n_threads": 2},
+        verbose=False,
+    )
+    engine = SelfRAGQueryEngine(llm=llm, retriever=FixedRetriever(), mode="always_retrieve")
+    assert engine.critic.name == "reflection"  # CONTROL-typed reflection tokens still work
+    meta = engine.query("while?").metadata["self_rag"]
+    assert len(meta["paragraphs"]) == 3
+    assert all(0.0 <= p["relevance"] <= 1.0 for p in meta["paragraphs"])
+
+
+def test_modes_and_threshold_gate(tiny_llm):
+    retriever = FixedRetriever()
+    never = SelfRAGQueryEngine(llm=tiny_llm, retriever=retriever, mode="no_retrieval")
+    response = never.query("q")
+    assert response.metadata["self_rag"]["retrieve"] is False and response.source_nodes == []
+    assert retriever.queries == []
+
+    always_gate = SelfRAGQueryEngine(llm=tiny_llm, retriever=retriever, threshold=0.0)
+    meta = always_gate.query("q").metadata["self_rag"]
+    assert meta["retrieve"] is True and 0.0 < meta["retrieve_prob"] < 1.0
+    never_gate = SelfRAGQueryEngine(llm=tiny_llm, retriever=retriever, threshold=1.0)
+    meta = never_gate.query("q").metadata["self_rag"]
+    assert meta["retrieve"] is False and meta["paragraphs"] == []
+    # The gate compares the same probability both times.
+    assert meta["retrieve_prob"] == pytest.approx(
+        always_gate.query("q").metadata["self_rag"]["retrieve_prob"], abs=1e-6
+    )
+
+
+def test_bad_input_is_named(tiny_llm, tiny_llm_plain):
+    engine = SelfRAGQueryEngine(llm=tiny_llm, retriever=FixedRetriever())
+    with pytest.raises(ValueError, match="query is empty"):
+        engine.query("   ")
+    with pytest.raises(ValueError, match="retriever"):
+        SelfRAGQueryEngine(llm=tiny_llm)
+    with pytest.raises(ValueError, match="model_path"):
+        SelfRAGQueryEngine(retriever=FixedRetriever())
+    with pytest.raises(ValueError, match=r"\[Retrieval\].*critic='prompted'"):
+        SelfRAGQueryEngine(llm=tiny_llm_plain, retriever=FixedRetriever(), critic="reflection")
+    with pytest.raises(ValueError, match="threshold"):
+        SelfRAGQueryEngine(llm=tiny_llm, retriever=FixedRetriever(), threshold=2.0)
+
+
+def test_empty_retrieval_answers_without_evidence(tiny_llm):
+    engine = SelfRAGQueryEngine(llm=tiny_llm, retriever=FixedRetriever([]), mode="always_retrieve")
+    response = engine.query("q")
+    meta = response.metadata["self_rag"]
+    assert meta["retrieve"] is False and meta["best"] is None
+    assert {"step": "fallback", "reason": "retriever returned no nodes"} in meta["trace"]
+    assert response.source_nodes == []
+
+
+def test_node_postprocessors_run_before_the_critic(tiny_llm):
+    class KeepFirst(BaseNodePostprocessor):
+        def _postprocess_nodes(self, nodes, query_bundle=None):
+            return nodes[:1]
+
+    engine = SelfRAGQueryEngine(
+        llm=tiny_llm, retriever=FixedRetriever(), mode="always_retrieve", node_postprocessors=[KeepFirst()]
+    )
+    meta = engine.query("q").metadata["self_rag"]
+    assert [p["node_id"] for p in meta["paragraphs"]] == ["p-while"]
+    engine_ndocs = SelfRAGQueryEngine(llm=tiny_llm, retriever=FixedRetriever(), mode="always_retrieve", ndocs=2)
+    assert len(engine_ndocs.query("q").metadata["self_rag"]["paragraphs"]) == 2
+
+
+def test_aquery_and_concurrent_queries_agree(engine):
+    serial = [engine.query(q).response for q in ("a?", "b?", "c?")]
+
+    async def together():
+        return await asyncio.gather(*(engine.aquery(q) for q in ("a?", "b?", "c?")))
+
+    assert [r.response for r in asyncio.run(together())] == serial
+    results: dict[int, str] = {}
+
+    def worker(i: int, q: str) -> None:
+        results[i] = engine.query(q).response
+
+    threads = [threading.Thread(target=worker, args=(i, q)) for i, q in enumerate(("a?", "b?", "c?"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(3)] == serial
+
+
+def test_query_events_are_emitted(engine):
+    seen = []
+
+    class Recorder(BaseEventHandler):
+        def handle(self, event, **kwargs):
+            seen.append(event.class_name())
+
+    recorder = Recorder()
+    root = get_dispatcher()
+    root.add_event_handler(recorder)
+    try:
+        engine.query("q")
+    finally:
+        root.event_handlers.remove(recorder)
+    assert "QueryStartEvent" in seen and "QueryEndEvent" in seen
+
+
+def test_pack_and_legacy_import_path(tiny_gguf_paths):
+    from llama_index.packs.self_rag_rse.base import SelfRAGQueryEngine as Legacy
+
+    assert Legacy is SelfRAGQueryEngine
+    pack = SelfRAGPack(
+        str(tiny_gguf_paths["user_defined"]),
+        FixedRetriever(),
+        model_kwargs={"n_ctx": 1024, "n_threads": 2},
+        mode="always_retrieve",
+        ndocs=1,
+    )
+    modules = pack.get_modules()
+    assert modules["query_engine"].ndocs == 1  # kwargs reach the engine (upstream drops them)
+    assert modules["critic"].name == "reflection"
+    assert len(pack.run("q").metadata["self_rag"]["paragraphs"]) == 1
+
+
+def test_verbose_prints_a_table(tiny_llm, capsys):
+    SelfRAGQueryEngine(llm=tiny_llm, retriever=FixedRetriever(), mode="always_retrieve", verbose=True).query("q")
+    out = capsys.readouterr().out
+    assert "rel" in out and "sup" in out and "p-while" in out

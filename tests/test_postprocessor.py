@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import warnings
 
 import pytest
@@ -25,7 +26,9 @@ def source_text(doc_id: str) -> str:
 
 
 def same_but_whitespace(a: str, b: str) -> bool:
-    return len(a) == len(b) and all(x == y or (x.isspace() and y.isspace()) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        x == y or (x.isspace() and y.isspace()) for x, y in zip(a, b, strict=True)
+    )
 
 
 def assert_exact_segments(result: list[NodeWithScore]) -> None:
@@ -117,9 +120,7 @@ def test_inside_retriever_query_engine(indexed):
     )
     response = engine.query(QUERY)
     assert_exact_segments(response.source_nodes)
-    assert "segment_node_ids" not in response.source_nodes[0].node.get_content(
-        metadata_mode="llm"
-    )
+    assert "segment_node_ids" not in response.source_nodes[0].node.get_content(metadata_mode="llm")
 
 
 def test_output_chunks_returns_members_in_document_order(indexed):
@@ -194,7 +195,7 @@ def make_doc_nodes(doc_id: str, n: int, *, indexed: bool = True, text_len: int =
         if indexed:
             node.metadata["chunk_index"] = i
         nodes.append(node)
-    for a, b in zip(nodes, nodes[1:], strict=False):
+    for a, b in itertools.pairwise(nodes):
         a.relationships[NodeRelationship.NEXT] = RelatedNodeInfo(node_id=b.node_id)
         b.relationships[NodeRelationship.PREVIOUS] = RelatedNodeInfo(node_id=a.node_id)
     return nodes
@@ -260,7 +261,9 @@ def test_none_and_negative_scores():
 def test_nan_score_is_an_error():
     node = make_doc_nodes("doc", 1)[0]
     with pytest.raises(ValueError, match="NaN"):
-        RelevantSegmentPostprocessor().postprocess_nodes([NodeWithScore(node=node, score=float("nan"))])
+        RelevantSegmentPostprocessor().postprocess_nodes(
+            [NodeWithScore(node=node, score=float("nan"))]
+        )
 
 
 def test_many_documents_and_one_chunk_documents():
@@ -280,7 +283,9 @@ def test_many_documents_and_one_chunk_documents():
     for r in result:
         doc_id = r.node.metadata["segment_document_id"]
         a, b = r.node.metadata["segment_chunk_range"]
-        assert r.node.get_content() == "".join(f"{doc_id}-{i:06d}".ljust(20, ".") for i in range(a, b))
+        assert r.node.get_content() == "".join(
+            f"{doc_id}-{i:06d}".ljust(20, ".") for i in range(a, b)
+        )
 
 
 def test_huge_document_reads_only_what_segments_need():

@@ -39,7 +39,11 @@ def make_nodes() -> list[NodeWithScore]:
     out = []
     for i, (node_id, text, title) in enumerate(PARAGRAPHS):
         metadata = {"title": title, "source": "unit"} if title else {"source": "unit"}
-        out.append(NodeWithScore(node=TextNode(id_=node_id, text=text, metadata=metadata), score=0.9 - 0.1 * i))
+        out.append(
+            NodeWithScore(
+                node=TextNode(id_=node_id, text=text, metadata=metadata), score=0.9 - 0.1 * i
+            )
+        )
     return out
 
 
@@ -56,7 +60,7 @@ def test_response_contract(engine, tiny_llm):
     best = meta["best"]
     assert response.response == meta["paragraphs"][best]["answer"].strip()
     # Sources are the original nodes (ids, metadata), scored with the final score, best first.
-    assert [s.node.node_id for s in response.source_nodes][0] == meta["paragraphs"][best]["node_id"]
+    assert response.source_nodes[0].node.node_id == meta["paragraphs"][best]["node_id"]
     assert response.source_nodes[0].node.metadata["source"] == "unit"
     rest = [s.score for s in response.source_nodes[1:]]
     assert rest == sorted(rest, reverse=True)
@@ -169,11 +173,16 @@ def test_node_postprocessors_run_before_the_critic(tiny_llm):
             return nodes[:1]
 
     engine = SelfRAGQueryEngine(
-        llm=tiny_llm, retriever=FixedRetriever(), mode="always_retrieve", node_postprocessors=[KeepFirst()]
+        llm=tiny_llm,
+        retriever=FixedRetriever(),
+        mode="always_retrieve",
+        node_postprocessors=[KeepFirst()],
     )
     meta = engine.query("q").metadata["self_rag"]
     assert [p["node_id"] for p in meta["paragraphs"]] == ["p-while"]
-    engine_ndocs = SelfRAGQueryEngine(llm=tiny_llm, retriever=FixedRetriever(), mode="always_retrieve", ndocs=2)
+    engine_ndocs = SelfRAGQueryEngine(
+        llm=tiny_llm, retriever=FixedRetriever(), mode="always_retrieve", ndocs=2
+    )
     assert len(engine_ndocs.query("q").metadata["self_rag"]["paragraphs"]) == 2
 
 
@@ -189,7 +198,9 @@ def test_aquery_and_concurrent_queries_agree(engine):
     def worker(i: int, q: str) -> None:
         results[i] = engine.query(q).response
 
-    threads = [threading.Thread(target=worker, args=(i, q)) for i, q in enumerate(("a?", "b?", "c?"))]
+    threads = [
+        threading.Thread(target=worker, args=(i, q)) for i, q in enumerate(("a?", "b?", "c?"))
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -232,6 +243,8 @@ def test_pack_and_legacy_import_path(tiny_gguf_paths):
 
 
 def test_verbose_prints_a_table(tiny_llm, capsys):
-    SelfRAGQueryEngine(llm=tiny_llm, retriever=FixedRetriever(), mode="always_retrieve", verbose=True).query("q")
+    SelfRAGQueryEngine(
+        llm=tiny_llm, retriever=FixedRetriever(), mode="always_retrieve", verbose=True
+    ).query("q")
     out = capsys.readouterr().out
     assert "rel" in out and "sup" in out and "p-while" in out

@@ -22,7 +22,9 @@ def quickstart():
 
 def test_quickstart_end_to_end_and_reuses_the_index(quickstart, tmp_path, capsys):
     question = "What happens when a name is not found?"
-    code = quickstart.main(["--small", "--storage", str(tmp_path), "--ndocs", "2", "--question", question])
+    code = quickstart.main(
+        ["--small", "--storage", str(tmp_path), "--ndocs", "2", "--question", question]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "Indexed" in out and "Critic: prompted" in out

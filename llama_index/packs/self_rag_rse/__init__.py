@@ -31,4 +31,4 @@ from llama_index.packs.self_rag_rse.segments import (
     get_preset,
 )
 
-__all__ = ["CHUNK_INDEX_KEY", "COHERE_RERANK_BETA", "PRESETS", "VOYAGE_RERANK_BETA", "ChunkIndexer", "Critic", "ParagraphJudgement", "RSEPreset", "RelevantSegmentPostprocessor", "RetrievalDecision", "Segment", "SegmentExtraction", "SelfRAGPack", "SelfRAGQueryEngine", "adjust_for_length", "beta_cdf", "calibrate_beta", "calibrate_minmax", "chunk_value", "final_score", "find_best_segments", "get_preset", "plot_segments"]  # fmt: skip
+__all__ = ["CHUNK_INDEX_KEY", "COHERE_RERANK_BETA", "PRESETS", "VOYAGE_RERANK_BETA", "ChunkIndexer", "Critic", "ParagraphJudgement", "RSEPreset", "RelevantSegmentPostprocessor", "RetrievalDecision", "Segment", "SegmentExtraction", "SelfRAGPack", "SelfRAGQueryEngine", "adjust_for_length", "beta_cdf", "calibrate_beta", "calibrate_minmax", "chunk_value", "final_score", "find_best_segments", "get_preset", "plot_segments"]  # fmt: skip  # noqa: E501

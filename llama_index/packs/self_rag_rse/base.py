@@ -1,4 +1,4 @@
-"""Import path of the upstream pack's docs: ``from ...self_rag_rse.base import SelfRAGQueryEngine``."""
+"""The upstream pack's import path: ``from <pack>.base import SelfRAGQueryEngine`` keeps working."""
 
 from llama_index.packs.self_rag_rse.pack import SelfRAGPack
 from llama_index.packs.self_rag_rse.query_engine import SelfRAGQueryEngine

@@ -24,10 +24,10 @@ class ChunkIndexer(TransformComponent):
     """Write each node's 0-based position within its document into ``metadata[key]``.
 
     Put it in an ``IngestionPipeline`` right after the splitter. Nodes are numbered per source
-    document (``ref_doc_id``) in ``start_char_idx`` order, falling back to the order they arrive
-    in (the splitter's) when any node lacks an offset. The key is excluded from the text that is embedded and shown to
-    the LLM, so adding it changes neither embeddings nor prompts. Nodes without a source document
-    are left alone.
+    document (``ref_doc_id``) in ``start_char_idx`` order, or in the order they arrive in (the
+    splitter's) when any node lacks an offset. The key is excluded from the text that is
+    embedded and shown to the LLM, so adding it changes neither embeddings nor prompts. Nodes
+    without a source document are left alone.
     """
 
     key: str = Field(default=CHUNK_INDEX_KEY, description="Metadata key to write.")
@@ -44,12 +44,16 @@ class ChunkIndexer(TransformComponent):
             if node.ref_doc_id is not None:
                 by_document[node.ref_doc_id].append((arrival, node))
         for members in by_document.values():
-            if all(node.start_char_idx is not None for _, node in members):
-                members.sort(key=lambda item: (item[1].start_char_idx, item[0]))
+            starts = [getattr(node, "start_char_idx", None) for _, node in members]
+            if all(start is not None for start in starts):
+                order = sorted(range(len(members)), key=lambda i: (starts[i], members[i][0]))
+                members[:] = [members[i] for i in order]
             for index, (_, node) in enumerate(members):
                 node.metadata[self.key] = index
-                for excluded in (node.excluded_embed_metadata_keys, node.excluded_llm_metadata_keys):
+                for excluded in (
+                    node.excluded_embed_metadata_keys,
+                    node.excluded_llm_metadata_keys,
+                ):
                     if self.key not in excluded:
                         excluded.append(self.key)
         return nodes
-

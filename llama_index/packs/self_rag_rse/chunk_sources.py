@@ -8,6 +8,7 @@ data lets the segment logic be written once and driven by either a sync or an as
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -89,7 +90,7 @@ class ChunkSource:
                 return self.vector_store.get_nodes(node_ids=request.node_ids)
             assert self.vector_store is not None
             filters, limit = self._filters(request)
-            return self.vector_store.get_nodes(filters=filters, limit=limit)
+            return self.vector_store.get_nodes(filters=filters, **self._limit(limit))
         except Exception as error:  # a store's own failure must not lose the query
             return self._failed(request, error)
 
@@ -109,11 +110,18 @@ class ChunkSource:
                 return await self.vector_store.aget_nodes(node_ids=request.node_ids)
             assert self.vector_store is not None
             filters, limit = self._filters(request)
-            return await self.vector_store.aget_nodes(filters=filters, limit=limit)
+            return await self.vector_store.aget_nodes(filters=filters, **self._limit(limit))
         except Exception as error:
             return self._failed(request, error)
 
     # -- helpers ----------------------------------------------------------------------------
+    def _limit(self, limit: int | None) -> dict[str, Any]:
+        # get_nodes() takes no limit in the base class; stores that have one (Qdrant's default
+        # is 9,999) would silently cut a larger read, so pass ours where it is accepted.
+        store = self.vector_store
+        accepted = store is not None and "limit" in inspect.signature(store.get_nodes).parameters
+        return {"limit": limit} if limit is not None and accepted else {}
+
     def _filters(self, request: ChunkRequest) -> tuple[MetadataFilters, int | None]:
         if request.kind == "documents":
             return (
@@ -131,7 +139,9 @@ class ChunkSource:
                 MetadataFilters(
                     filters=[
                         MetadataFilter(key=self.doc_id_key, value=doc_id),
-                        MetadataFilter(key=self.index_key, value=indices, operator=FilterOperator.IN),
+                        MetadataFilter(
+                            key=self.index_key, value=indices, operator=FilterOperator.IN
+                        ),
                     ],
                     condition=FilterCondition.AND,
                 )

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass
@@ -36,7 +36,9 @@ class ParagraphJudgement:
     ``relevance`` and ``support`` lie in [0, 1], ``utility`` in [-1, 1] (the paper's weights
     -1, -0.5, 0, 0.5, 1 over Utility:1..5). ``seq_score`` is exp(mean token log-prob) of the
     answer when the critic can read log-probs. ``error`` is set, with all scores 0, when this
-    paragraph failed but the others did not.
+    paragraph failed but the others did not. ``details`` is free-form, critic-specific trace
+    data for the engine's trace (the prompted critic records there how each score was obtained:
+    ``"logprobs"``, ``"parsed"`` or ``"fallback"``).
     """
 
     answer: str
@@ -45,6 +47,7 @@ class ParagraphJudgement:
     utility: float
     seq_score: float | None = None
     error: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
 
     def score(
         self,
@@ -98,7 +101,7 @@ class Critic(Protocol):
     def decide_retrieval(
         self, query: str, threshold: float | None, answer_if_skipped: bool = True
     ) -> RetrievalDecision:
-        """Decide whether ``query`` needs evidence; ``threshold=None`` lets the greedy token decide."""
+        """Decide whether ``query`` needs evidence (``threshold=None``: greedy decides)."""
         ...
 
     def judge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:

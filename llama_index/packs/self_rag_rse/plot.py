@@ -43,7 +43,7 @@ def plot_segments(
 
     labels: list[str] = []
     if extraction is not None:
-        values = extraction.values
+        values = list(extraction.values)
         document_splits = extraction.document_splits
         starts = [0, *document_splits[:-1]]
         segments = []

@@ -210,7 +210,9 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         if (self.max_length if self.max_length is not None else 1) < 1:
             raise ValueError(f"max_length must be at least 1, got {self.max_length}")
         if self.overall_max_length is not None and self.overall_max_length < 1:
-            raise ValueError(f"overall_max_length must be at least 1, got {self.overall_max_length}")
+            raise ValueError(
+                f"overall_max_length must be at least 1, got {self.overall_max_length}"
+            )
         if not callable(self.calibration) and self.calibration not in _CALIBRATIONS:
             raise ValueError(
                 f"unknown calibration {self.calibration!r}: use one of {sorted(_CALIBRATIONS)} "
@@ -218,7 +220,9 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
             )
         low, high = self.cosine_range
         if not high > low:
-            raise ValueError(f"cosine_range must be (low, high) with high > low, got {self.cosine_range}")
+            raise ValueError(
+                f"cosine_range must be (low, high) with high > low, got {self.cosine_range}"
+            )
 
     @classmethod
     def class_name(cls) -> str:
@@ -362,17 +366,14 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         missing = self._missing(segments, held)
         if missing:
             read_nodes = yield from self._read_missing(missing, ordered_ids, source)
-            where = {d: {n: i for i, n in enumerate(ids)} for d, ids in ordered_ids.items()}
+            slots = {d: {n: i for i, n in enumerate(ids)} for d, ids in ordered_ids.items()}
             for node in read_nodes:
-                doc_id = node.ref_doc_id
-                if doc_id is None or doc_id not in missing:
+                owner = node.ref_doc_id
+                if owner is None or owner not in missing:
                     continue
-                if doc_id in where:
-                    position = where[doc_id].get(node.node_id)
-                else:
-                    position = _index(node, key)
-                if position is not None and position in missing[doc_id]:
-                    held[doc_id][position] = node
+                position = slots[owner].get(node.node_id) if owner in slots else _index(node, key)
+                if position is not None and position in missing[owner]:
+                    held[owner][position] = node
             if self._missing(segments, held):
                 # Some chunks between hits could not be read: search again, joining only
                 # chunks we hold, so that no segment silently skips text.
@@ -393,7 +394,9 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         source: ChunkSource,
     ) -> Generator[ChunkRequest, Any, list[BaseNode]]:
         by_index = {d: sorted(p) for d, p in missing.items() if d not in ordered_ids}
-        by_id = [ordered_ids[d][p] for d, ps in missing.items() if d in ordered_ids for p in sorted(ps)]
+        by_id = [
+            ordered_ids[d][p] for d, ps in missing.items() if d in ordered_ids for p in sorted(ps)
+        ]
         read: list[BaseNode] = []
         if by_id:
             read.extend((yield ChunkRequest("node_ids", node_ids=by_id)))
@@ -473,7 +476,9 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         penalty = float(self._param("irrelevant_chunk_penalty"))
         regions = []
         for doc_id in docs:
-            hit_positions = {p: values_of[n] for n, p in positions[doc_id].items() if n in values_of}
+            hit_positions = {
+                p: values_of[n] for n, p in positions[doc_id].items() if n in values_of
+            }
             if not hit_positions:
                 continue
             # Chunks before the first hit or after the last are worth -penalty and can never end
@@ -505,7 +510,7 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         values = np.concatenate([r.values for r in regions])
         splits = [int(x) for x in np.cumsum([len(r.values) for r in regions])]
         spans, scores = find_best_segments(
-            [values],
+            values[None, :],
             splits,
             int(self._param("max_length")),
             int(self._param("overall_max_length")),
@@ -523,7 +528,9 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         return segments
 
     @staticmethod
-    def _missing(segments: list[Segment], held: dict[str, dict[int, BaseNode]]) -> dict[str, set[int]]:
+    def _missing(
+        segments: list[Segment], held: dict[str, dict[int, BaseNode]]
+    ) -> dict[str, set[int]]:
         missing: dict[str, set[int]] = {}
         for s in segments:
             gaps = {p for p in range(s.start, s.end) if p not in held[s.doc_id]}
@@ -572,7 +579,7 @@ def _group_by_document(nodes: Sequence[BaseNode]) -> dict[str, list[BaseNode]]:
 def _document_order(members: list[BaseNode]) -> list[BaseNode]:
     """Order one document's nodes: by start_char_idx, else by the NEXT chain."""
     if all(getattr(n, "start_char_idx", None) is not None for n in members):
-        return sorted(members, key=lambda n: n.start_char_idx)  # type: ignore[arg-type, return-value]
+        return sorted(members, key=lambda n: int(getattr(n, "start_char_idx", 0)))
     by_id = {n.node_id: n for n in members}
     previous = {n.node_id for n in members if _link(n, NodeRelationship.PREVIOUS) in by_id}
     heads = [n for n in members if n.node_id not in previous]
@@ -611,8 +618,12 @@ def _adjacent(left: BaseNode, right: BaseNode) -> bool:
         return True
     if _link(right, NodeRelationship.PREVIOUS) == left.node_id:
         return True
+    # Overlapping or touching character spans: the splitter put these chunks side by side.
+    first = getattr(left, "start_char_idx", None)
     end, start = getattr(left, "end_char_idx", None), getattr(right, "start_char_idx", None)
-    return end is not None and start is not None and start <= end and start >= left.start_char_idx  # type: ignore[operator]
+    if first is None or end is None or start is None:
+        return False
+    return bool(first <= start <= end)
 
 
 def _link(node: BaseNode, relation: NodeRelationship) -> str | None:
@@ -647,7 +658,9 @@ def _segment_node(segment: Segment) -> TextNode:
     for key in (*members[0].excluded_llm_metadata_keys, CHUNK_INDEX_KEY):
         if key not in hidden:
             hidden.append(key)
-    node_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"rse:{segment.doc_id}:{segment.start}:{segment.end}"))
+    node_id = str(
+        uuid.uuid5(uuid.NAMESPACE_URL, f"rse:{segment.doc_id}:{segment.start}:{segment.end}")
+    )
     relationships = {}
     source = members[0].relationships.get(NodeRelationship.SOURCE)
     if source is not None:
@@ -669,7 +682,10 @@ def _print_trace(extraction: SegmentExtraction, hits: list[_Hit]) -> None:
     for region in extraction.regions:
         shown = " ".join(f"{v:+.2f}" for v in region.values[:40])
         more = " ..." if len(region.values) > 40 else ""
-        print(f"  doc {region.doc_id[:12]} chunks {region.positions[0]}-{region.positions[-1]}: {shown}{more}")
+        print(
+            f"  doc {region.doc_id[:12]} chunks {region.positions[0]}-{region.positions[-1]}: "
+            f"{shown}{more}"
+        )
     for s in extraction.segments:
         print(f"  segment doc {s.doc_id[:12]} chunks [{s.start}, {s.end}) value {s.value:.3f}")
     if extraction.passthrough:

@@ -104,7 +104,7 @@ class SelfRAGQueryEngine(CustomQueryEngine):
     max_new_tokens: int = Field(default=50, description="Tokens generated per answer.")
     node_postprocessors: list[BaseNodePostprocessor] = Field(
         default_factory=list,
-        description="Applied to retrieved nodes before judging (e.g. RelevantSegmentPostprocessor).",
+        description="Run on retrieved nodes before judging (e.g. RelevantSegmentPostprocessor).",
     )
     corrective: bool = Field(
         default=False, description="Turn on the corrective loop (re-retrieve, regenerate)."
@@ -138,13 +138,18 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         **options: Any,
     ) -> None:
         if retriever is None:
-            raise ValueError("SelfRAGQueryEngine needs a retriever: pass retriever=index.as_retriever()")
+            raise ValueError(
+                "SelfRAGQueryEngine needs a retriever: pass retriever=index.as_retriever()"
+            )
         generate_kwargs = dict(generate_kwargs or {})
         if "max_tokens" in generate_kwargs and "max_new_tokens" not in options:
             options["max_new_tokens"] = int(generate_kwargs.pop("max_tokens"))
         if float(generate_kwargs.get("temperature", 0.0)) != 0.0:
-            logger.warning("Self-RAG scores greedy decodes; ignoring temperature=%s", generate_kwargs["temperature"])
-        super().__init__(retriever=retriever, verbose=verbose, **options)
+            logger.warning(
+                "Self-RAG scores greedy decodes; ignoring temperature=%s",
+                generate_kwargs["temperature"],
+            )
+        super().__init__(retriever=retriever, verbose=verbose, **options)  # type: ignore[call-arg]
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if self.ndocs is not None and self.ndocs < 1:
@@ -152,7 +157,9 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         if self.max_retrieval_rounds < 1:
             raise ValueError("max_retrieval_rounds must be at least 1 (the first retrieval)")
         if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
-            raise ValueError(f"threshold is a probability in [0, 1] (or None), got {self.threshold}")
+            raise ValueError(
+                f"threshold is a probability in [0, 1] (or None), got {self.threshold}"
+            )
         self._critic = _build_critic(
             critic,
             llm,
@@ -264,7 +271,11 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             decision: RetrievalDecision = yield _Step("decide", query)
             meta["retrieve_prob"] = decision.probability
             trace.append(
-                {"step": "decide", "retrieve": decision.retrieve, "probability": decision.probability}
+                {
+                    "step": "decide",
+                    "retrieve": decision.retrieve,
+                    "probability": decision.probability,
+                }
             )
             if not decision.retrieve:
                 answer = decision.answer
@@ -348,9 +359,18 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             grounded = GROUNDED_INSTRUCTION.format(query=query)
             (redo,) = yield _Step("judge", grounded, [_paragraph(best.node)])
             trace.append(
-                {"step": "regenerate", "attempt": attempt, "support": redo.support, "node_id": best.node.node_id}
+                {
+                    "step": "regenerate",
+                    "attempt": attempt,
+                    "support": redo.support,
+                    "node_id": best.node.node_id,
+                }
             )
-            if redo.error is None and redo.support >= self.support_threshold and redo.answer.strip():
+            if (
+                redo.error is None
+                and redo.support >= self.support_threshold
+                and redo.answer.strip()
+            ):
                 best.judgement = redo
                 best.score = self._score(redo)
                 return best
@@ -400,7 +420,9 @@ def _build_critic(
     if not isinstance(critic, str):
         return critic
     if critic not in ("auto", "reflection", "prompted"):
-        raise ValueError(f"critic must be 'auto', 'reflection', 'prompted' or a Critic, got {critic!r}")
+        raise ValueError(
+            f"critic must be 'auto', 'reflection', 'prompted' or a Critic, got {critic!r}"
+        )
     if llm is None and model_path is None:
         raise ValueError(
             "pass model_path= (a Self-RAG GGUF) or llm= (a LlamaCPP, llama_cpp.Llama or any "
@@ -435,7 +457,8 @@ def _load_gguf(model_path: str, model_kwargs: dict[str, Any] | None) -> Any:
         import llama_cpp
     except ImportError as error:
         raise ImportError(
-            'model_path needs llama-cpp-python: pip install "llama-index-packs-self-rag-rse[llama-cpp]"'
+            "model_path needs llama-cpp-python: "
+            'pip install "llama-index-packs-self-rag-rse[llama-cpp]"'
         ) from error
     kwargs = {**DEFAULT_MODEL_KWARGS, **(model_kwargs or {})}
     return llama_cpp.Llama(model_path=str(model_path), **kwargs)
@@ -488,7 +511,10 @@ def _print_table(candidates: list[_Candidate], meta: dict[str, Any]) -> None:
         + (f" p={prob:.3f}" if prob is not None else "")
     )
     if candidates:
-        print(f"  {'#':>2} {'node':<10} {'rel':>5} {'sup':>5} {'use':>5} {'seq':>5} {'score':>6}  answer")
+        print(
+            f"  {'#':>2} {'node':<10} {'rel':>5} {'sup':>5} {'use':>5} {'seq':>5} "
+            f"{'score':>6}  answer"
+        )
     for i, c in enumerate(candidates):
         j = c.judgement
         seq = f"{j.seq_score:.2f}" if j.seq_score is not None else "  -"

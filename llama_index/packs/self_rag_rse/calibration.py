@@ -1,0 +1,190 @@
+"""Turn raw relevance scores into absolute relevance in [0, 1] for RSE.
+
+RSE's chunk value (:func:`~llama_index.packs.self_rag_rse.segments.chunk_value`) multiplies a rank
+decay by the chunk's *absolute* relevance and subtracts a fixed penalty, so the scores must mean
+the same thing from query to query and spread over [0, 1]. Raw scores rarely do:
+
+- Cohere rerankers push most scores to the extremes: :data:`COHERE_RERANK_BETA` (the CDF of
+  Beta(0.4, 0.4)) spreads them out, as dsRAG does.
+- Voyage rerankers give mostly low scores: :data:`VOYAGE_RERANK_BETA` (Beta(0.5, 1.8)).
+- Embedding cosine similarity lives in a narrow, model-specific band: rescale it linearly with
+  :func:`calibrate_minmax` from the similarity of an unrelated pair (``low``) to that of a clearly
+  relevant one (``high``), measured on your own data.
+
+Other rerankers: look at a histogram of their scores on your data and pick a Beta whose CDF maps
+it close to uniform. Numpy only (no scipy).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, overload
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+__all__ = [
+    "COHERE_RERANK_BETA",
+    "VOYAGE_RERANK_BETA",
+    "BetaParams",
+    "beta_cdf",
+    "calibrate_beta",
+    "calibrate_minmax",
+]
+
+FloatArray = NDArray[np.float64]
+
+# Continued-fraction settings: stop once a step changes the result by less than _EPS relative;
+# _TINY stands in for zero in Lentz's method. Convergence takes O(sqrt(max(a, b))) steps.
+_EPS = 1e-15
+_TINY = 1e-300
+_MAX_STEPS = 100_000
+
+
+class BetaParams(NamedTuple):
+    """Shape parameters of a Beta distribution used as a score calibration.
+
+    Unpack it into :func:`calibrate_beta`: ``calibrate_beta(scores, *COHERE_RERANK_BETA)``.
+    """
+
+    a: float
+    b: float
+
+
+COHERE_RERANK_BETA = BetaParams(a=0.4, b=0.4)
+"""dsRAG's calibration for Cohere rerank scores (``CohereReranker.transform``)."""
+
+VOYAGE_RERANK_BETA = BetaParams(a=0.5, b=1.8)
+"""dsRAG's calibration for Voyage rerank scores (``VoyageReranker.transform``)."""
+
+
+@overload
+def beta_cdf(x: float, a: float, b: float) -> float: ...
+@overload
+def beta_cdf(x: ArrayLike, a: ArrayLike, b: ArrayLike) -> FloatArray: ...
+def beta_cdf(x: ArrayLike, a: ArrayLike, b: ArrayLike) -> float | FloatArray:
+    """CDF of the Beta(a, b) distribution at ``x``: the regularized incomplete beta I_x(a, b).
+
+    The same values as ``scipy.stats.beta.cdf`` (to about 1e-15 for moderate ``a`` and ``b``):
+    0 for ``x <= 0``, 1 for ``x >= 1``, NaN for NaN. ``a`` and ``b`` must be positive; with
+    both below 1 the CDF is S-shaped and stretches the middle of [0, 1] (scores bunched at the
+    ends spread out), a small ``a`` with a larger ``b`` lifts low scores. Vectorised: ``x``,
+    ``a`` and ``b`` broadcast; scalars give a float.
+    """
+    x_arr, a_arr, b_arr = np.broadcast_arrays(
+        np.asarray(x, dtype=np.float64),
+        np.asarray(a, dtype=np.float64),
+        np.asarray(b, dtype=np.float64),
+    )
+    if not (np.all(a_arr > 0) and np.all(b_arr > 0)):
+        raise ValueError(
+            "beta_cdf needs shape parameters a > 0 and b > 0 (finite), got "
+            f"a={a!r}, b={b!r}: dsRAG uses a=b=0.4 for Cohere and a=0.5, b=1.8 for Voyage"
+        )
+    if not (np.all(np.isfinite(a_arr)) and np.all(np.isfinite(b_arr))):
+        raise ValueError(f"beta_cdf needs finite a and b, got a={a!r}, b={b!r}")
+    result = np.where(x_arr >= 1.0, 1.0, 0.0)
+    result[np.isnan(x_arr)] = np.nan
+    inside = (x_arr > 0.0) & (x_arr < 1.0)
+    if inside.any():
+        result[inside] = _regularized_beta(x_arr[inside], a_arr[inside], b_arr[inside])
+    if result.ndim == 0:
+        return float(result)
+    return result
+
+
+def _regularized_beta(x: FloatArray, a: FloatArray, b: FloatArray) -> FloatArray:
+    """I_x(a, b) for 0 < x < 1, by Lentz's continued fraction on the side where it converges."""
+    lgamma = np.frompyfunc(math.lgamma, 1, 1)
+    log_beta = np.asarray(lgamma(a) + lgamma(b) - lgamma(a + b), dtype=np.float64)
+    # x^a (1-x)^b / B(a, b), in logs to survive large a and b.
+    front = np.exp(a * np.log(x) + b * np.log1p(-x) - log_beta)
+    # The fraction for I_x(a, b) converges fast for x < (a+1)/(a+b+2); beyond, use the mirror
+    # identity I_x(a, b) = 1 - I_{1-x}(b, a).
+    direct = x < (a + 1.0) / (a + b + 2.0)
+    xs = np.where(direct, x, 1.0 - x)
+    aa = np.where(direct, a, b)
+    bb = np.where(direct, b, a)
+    fraction = _beta_continued_fraction(xs, aa, bb)
+    return np.where(direct, front * fraction / a, 1.0 - front * fraction / b)
+
+
+def _beta_continued_fraction(x: FloatArray, a: FloatArray, b: FloatArray) -> FloatArray:
+    """The continued fraction of I_x(a, b) (Numerical Recipes ``betacf``), elementwise."""
+    qab, qap, qam = a + b, a + 1.0, a - 1.0
+    c = np.ones_like(x)
+    d = 1.0 - qab * x / qap
+    d = 1.0 / np.where(np.abs(d) < _TINY, _TINY, d)
+    h = d.copy()
+    active = np.ones(x.shape, dtype=bool)
+    for m in range(1, _MAX_STEPS + 1):
+        if not active.any():
+            break
+        # Only unconverged elements keep iterating: updates are masked, not recomputed.
+        xa, aa_, bb_, qab_, qap_, qam_ = (
+            x[active],
+            a[active],
+            b[active],
+            qab[active],
+            qap[active],
+            qam[active],
+        )
+        ca, da, ha = c[active], d[active], h[active]
+        m2 = 2.0 * m
+        even = m * (bb_ - m) * xa / ((qam_ + m2) * (aa_ + m2))
+        da = 1.0 + even * da
+        da = 1.0 / np.where(np.abs(da) < _TINY, _TINY, da)
+        ca = 1.0 + even / ca
+        ca = np.where(np.abs(ca) < _TINY, _TINY, ca)
+        ha = ha * da * ca
+        odd = -(aa_ + m) * (qab_ + m) * xa / ((aa_ + m2) * (qap_ + m2))
+        da = 1.0 + odd * da
+        da = 1.0 / np.where(np.abs(da) < _TINY, _TINY, da)
+        ca = 1.0 + odd / ca
+        ca = np.where(np.abs(ca) < _TINY, _TINY, ca)
+        step = da * ca
+        ha = ha * step
+        c[active], d[active], h[active] = ca, da, ha
+        done = np.abs(step - 1.0) <= _EPS
+        active[np.flatnonzero(active)[done]] = False
+    return h
+
+
+@overload
+def calibrate_beta(scores: float, a: float, b: float) -> float: ...
+@overload
+def calibrate_beta(scores: ArrayLike, a: float, b: float) -> FloatArray: ...
+def calibrate_beta(scores: ArrayLike, a: float, b: float) -> float | FloatArray:
+    """Map reranker scores to absolute relevance with the Beta(a, b) CDF, as dsRAG does.
+
+    Scores are clipped to [0, 1] first, so a reranker that strays slightly outside still maps
+    to 0 or 1. Use ``*COHERE_RERANK_BETA`` for Cohere and ``*VOYAGE_RERANK_BETA`` for Voyage
+    rerankers; for cosine similarity use :func:`calibrate_minmax` instead. The map is monotone,
+    so it never changes the ranking, only how far apart relevant and irrelevant chunks sit.
+    """
+    clipped = np.clip(np.asarray(scores, dtype=np.float64), 0.0, 1.0)
+    return beta_cdf(clipped, a, b)
+
+
+@overload
+def calibrate_minmax(scores: float, low: float, high: float) -> float: ...
+@overload
+def calibrate_minmax(scores: ArrayLike, low: float, high: float) -> FloatArray: ...
+def calibrate_minmax(scores: ArrayLike, low: float, high: float) -> float | FloatArray:
+    """Rescale scores linearly so ``low`` maps to 0 and ``high`` to 1, clipping outside.
+
+    Meant for embedding cosine similarity, whose useful range is narrow and model-specific: set
+    ``low`` to the similarity of a typical unrelated chunk and ``high`` to that of a clearly
+    relevant one (look at a few queries on your own data). Too low a ``low`` makes every chunk
+    look somewhat relevant and segments grow; too high a ``high`` makes nothing look relevant.
+    """
+    if not high > low:
+        raise ValueError(
+            f"calibrate_minmax needs high > low, got low={low!r}, high={high!r}: low is the "
+            "score of an unrelated chunk, high that of a clearly relevant one"
+        )
+    scaled = (np.asarray(scores, dtype=np.float64) - low) / (high - low)
+    clipped = np.clip(scaled, 0.0, 1.0)
+    if clipped.ndim == 0:
+        return float(clipped)
+    return clipped

@@ -1,0 +1,151 @@
+"""Tests for score calibration: our regularized incomplete beta against scipy and quadrature."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llama_index.packs.self_rag_rse.calibration import (
+    COHERE_RERANK_BETA,
+    VOYAGE_RERANK_BETA,
+    BetaParams,
+    beta_cdf,
+    calibrate_beta,
+    calibrate_minmax,
+)
+
+SHAPES = [
+    (0.4, 0.4),
+    (0.5, 1.8),
+    (1.0, 1.0),
+    (0.05, 0.05),
+    (0.1, 5.0),
+    (5.0, 0.1),
+    (2.0, 3.0),
+    (40.0, 60.0),
+    (500.0, 300.0),
+    (1e-3, 1e3),
+]
+
+
+def quadrature_beta_cdf(x: float, a: float, b: float) -> float:
+    """I_x(a, b) by composite Gauss-Legendre: an oracle that shares nothing with ours.
+
+    Integrates on the half where x <= 1/2 (the other half by the mirror identity). For a < 1 the
+    substitution u = t^a removes the singularity at 0: t^(a-1) dt = du / a.
+    """
+    if x > 0.5:
+        return 1.0 - quadrature_beta_cdf(1.0 - x, b, a)
+    nodes, weights = np.polynomial.legendre.leggauss(40)
+    log_beta = math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
+    if a < 1.0:
+        upper = x**a
+        edges = np.linspace(0.0, upper, 41)
+
+        def integrand(u: np.ndarray) -> np.ndarray:
+            return np.power(1.0 - np.power(u, 1.0 / a), b - 1.0) / a
+
+    else:
+        upper = x
+        edges = np.linspace(0.0, upper, 41)
+
+        def integrand(u: np.ndarray) -> np.ndarray:
+            return np.exp((a - 1.0) * np.log(u) + (b - 1.0) * np.log1p(-u))
+
+    total = 0.0
+    for lo, hi in itertools.pairwise(edges):
+        points = 0.5 * (hi - lo) * nodes + 0.5 * (hi + lo)
+        total += 0.5 * (hi - lo) * float(np.dot(weights, integrand(points)))
+    return total / math.exp(log_beta)
+
+
+@pytest.mark.parametrize(("a", "b"), SHAPES)
+def test_beta_cdf_matches_scipy(a: float, b: float) -> None:
+    special = pytest.importorskip("scipy.special")
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.random(500), np.linspace(0.0, 1.0, 101), [1e-300, 1e-12, 1 - 1e-12]])
+    np.testing.assert_allclose(beta_cdf(x, a, b), special.betainc(a, b, x), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize(("a", "b"), [(0.4, 0.4), (0.5, 1.8), (1.0, 1.0), (2.0, 3.0), (0.3, 7.0)])
+def test_beta_cdf_matches_quadrature(a: float, b: float) -> None:
+    for x in [1e-6, 0.01, 0.2, 0.37, 0.5, 0.63, 0.9, 0.999]:
+        assert beta_cdf(x, a, b) == pytest.approx(quadrature_beta_cdf(x, a, b), abs=1e-9)
+
+
+def test_beta_cdf_known_values() -> None:
+    assert beta_cdf(0.3, 1.0, 1.0) == pytest.approx(0.3, abs=1e-15)  # uniform
+    assert beta_cdf(0.5, 0.4, 0.4) == pytest.approx(0.5, abs=1e-15)  # symmetric
+    assert beta_cdf(0.25, 2.0, 1.0) == pytest.approx(0.0625, abs=1e-15)  # x^2
+    assert beta_cdf(0.25, 1.0, 2.0) == pytest.approx(1 - 0.75**2, abs=1e-15)
+
+
+def test_beta_cdf_edges_and_shapes() -> None:
+    assert beta_cdf(0.0, 0.4, 0.4) == 0.0
+    assert beta_cdf(1.0, 0.4, 0.4) == 1.0
+    assert beta_cdf(-0.5, 0.4, 0.4) == 0.0  # a CDF: 0 below the support
+    assert beta_cdf(3.0, 0.4, 0.4) == 1.0  # and 1 above it
+    assert math.isnan(beta_cdf(float("nan"), 0.4, 0.4))
+    assert isinstance(beta_cdf(0.3, 0.4, 0.4), float)
+    grid = np.linspace(-0.5, 1.5, 12).reshape(3, 4)
+    out = beta_cdf(grid, 0.5, 1.8)
+    assert isinstance(out, np.ndarray) and out.shape == (3, 4)
+    assert np.all(np.diff(out.ravel()) >= 0)
+    # a and b broadcast against x.
+    out = beta_cdf(0.3, np.array([0.4, 1.0, 2.0]), 1.0)
+    np.testing.assert_allclose(out, [0.3**0.4, 0.3, 0.09], atol=1e-14)
+
+
+@pytest.mark.parametrize(("a", "b"), [(0.0, 1.0), (1.0, -2.0), (float("nan"), 1.0), (math.inf, 1)])
+def test_beta_cdf_rejects_bad_shapes(a: float, b: float) -> None:
+    with pytest.raises(ValueError, match=r"a > 0 and b > 0|finite"):
+        beta_cdf(0.5, a, b)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    # Dyadic x, so that 1 - x is exact and the identity is not blurred by its rounding.
+    x=st.integers(0, 2**20).map(lambda k: k / 2**20),
+    a=st.floats(0.05, 50.0),
+    b=st.floats(0.05, 50.0),
+)
+def test_beta_cdf_mirror_identity_and_range(x: float, a: float, b: float) -> None:
+    value = beta_cdf(x, a, b)
+    assert 0.0 <= value <= 1.0
+    assert value + beta_cdf(1.0 - x, b, a) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_calibrate_beta_clips_then_maps() -> None:
+    scores = np.array([-0.2, 0.0, 0.05, 0.5, 0.95, 1.0, 1.3])
+    out = calibrate_beta(scores, *COHERE_RERANK_BETA)
+    np.testing.assert_allclose(out, beta_cdf(np.clip(scores, 0, 1), 0.4, 0.4), atol=0)
+    assert out[0] == 0.0 and out[-1] == 1.0
+    assert isinstance(calibrate_beta(0.7, *VOYAGE_RERANK_BETA), float)
+
+
+def test_calibrate_beta_matches_dsrag_transforms() -> None:
+    stats = pytest.importorskip("scipy.stats")
+    scores = np.linspace(0.0, 1.0, 201)
+    for params in (COHERE_RERANK_BETA, VOYAGE_RERANK_BETA):
+        expected = stats.beta.cdf(scores, params.a, params.b)
+        np.testing.assert_allclose(calibrate_beta(scores, *params), expected, atol=1e-9)
+
+
+def test_reranker_constants_are_dsrags() -> None:
+    assert (COHERE_RERANK_BETA.a, COHERE_RERANK_BETA.b) == (0.4, 0.4)
+    assert (VOYAGE_RERANK_BETA.a, VOYAGE_RERANK_BETA.b) == (0.5, 1.8)
+    assert isinstance(COHERE_RERANK_BETA, BetaParams)
+
+
+def test_calibrate_minmax() -> None:
+    out = calibrate_minmax([0.0, 0.1, 0.45, 0.8, 0.95], low=0.1, high=0.8)
+    np.testing.assert_allclose(out, [0.0, 0.0, 0.5, 1.0, 1.0], atol=1e-15)
+    assert calibrate_minmax(0.3, 0.2, 0.4) == pytest.approx(0.5)
+    assert isinstance(calibrate_minmax(0.3, 0.2, 0.4), float)
+    with pytest.raises(ValueError, match="high > low"):
+        calibrate_minmax([0.5], low=0.8, high=0.8)

@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
 
 #: Cosine similarities of all-MiniLM/BGE-class embedders mapped linearly onto [0, 1]; see README.
-DEFAULT_COSINE_RANGE = (0.25, 0.6)
+DEFAULT_COSINE_RANGE = (0.1, 0.5)
 #: Metadata keys written on segment nodes (hidden from embedding and LLM text).
 SEGMENT_METADATA_KEYS = (
     "segment_document_id",

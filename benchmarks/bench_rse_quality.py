@@ -54,7 +54,9 @@ def spans_of(items, budget: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def score(spans, gold_doc: str, gold: tuple[int, int], lengths: dict[str, int]) -> tuple[float, float]:
+def score(
+    spans, gold_doc: str, gold: tuple[int, int], lengths: dict[str, int]
+) -> tuple[float, float]:
     masks = {doc: np.zeros(n, dtype=bool) for doc, n in lengths.items()}
     for doc, start, end in spans:
         masks[doc][start:end] = True
@@ -142,7 +144,9 @@ def main() -> None:
                     score(spans_of(spans, budget), doc, (start, end), lengths)
                 )
 
-    print(f"\n{'method':<22}" + "".join(f"| budget {b:>5} chars: recall  prec " for b in args.budgets))
+    print(
+        f"\n{'method':<22}" + "".join(f"| budget {b:>5} chars: recall  prec " for b in args.budgets)
+    )
     for name in methods:
         row = f"{name:<22}"
         for budget in args.budgets:

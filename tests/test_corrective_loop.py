@@ -40,11 +40,17 @@ class ScriptedCritic:
 
     def judge(self, query, paragraphs):
         self.judged.append((query, list(paragraphs)))
-        table = self.regenerated if query == GROUNDED_INSTRUCTION.format(query=QUESTION) else self.table
+        table = (
+            self.regenerated if query == GROUNDED_INSTRUCTION.format(query=QUESTION) else self.table
+        )
         out = []
         for p in paragraphs:
             rel, sup, use = table[p]
-            out.append(ParagraphJudgement(answer=f"answer from {p}", relevance=rel, support=sup, utility=use))
+            out.append(
+                ParagraphJudgement(
+                    answer=f"answer from {p}", relevance=rel, support=sup, utility=use
+                )
+            )
         return out
 
     def generate(self, text):
@@ -101,7 +107,9 @@ def test_query2doc_recovers_relevant_paragraphs():
 
 
 def test_rewrite_after_query2doc_then_fallback_when_every_round_fails():
-    critic = ScriptedCritic({"junk": (0.1, 0.9, 1.0), "junk2": (0.2, 0.9, 1.0), "junk3": (0.3, 0.9, 1.0)})
+    critic = ScriptedCritic(
+        {"junk": (0.1, 0.9, 1.0), "junk2": (0.2, 0.9, 1.0), "junk3": (0.3, 0.9, 1.0)}
+    )
     retriever = RoutingRetriever({QUESTION: ["junk"], PSEUDO_DOC: ["junk2"], REWRITTEN: ["junk3"]})
     response = engine_for(critic, retriever, max_retrieval_rounds=3).query(QUESTION)
     assert retriever.queries == [QUESTION, PSEUDO_DOC, REWRITTEN]

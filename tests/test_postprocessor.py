@@ -334,6 +334,25 @@ def test_nodes_without_source_pass_through_or_raise():
         RelevantSegmentPostprocessor(on_unplaceable="raise").postprocess_nodes(items)
 
 
+def test_nodes_that_nothing_orders_pass_through_unchanged():
+    bare = [
+        NodeWithScore(
+            node=TextNode(
+                id_=f"bare-{i}",
+                text=f"chunk {i}",
+                relationships={NodeRelationship.SOURCE: RelatedNodeInfo(node_id="doc")},
+            ),
+            score=0.9,
+        )
+        for i in range(2)
+    ]
+    with pytest.warns(UserWarning, match="no chunk index, offsets"):
+        result = RelevantSegmentPostprocessor(calibration="raw").postprocess_nodes(bare)
+    assert result == bare
+    with pytest.raises(ValueError, match="Fix:"):
+        RelevantSegmentPostprocessor(on_unplaceable="raise").postprocess_nodes(bare)
+
+
 def test_store_that_cannot_read_gaps_degrades_without_skipping_text(indexed, caplog):
     from llama_index.vector_stores.qdrant import QdrantVectorStore
 

@@ -171,7 +171,10 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
     )
     on_unplaceable: Literal["warn", "raise"] = Field(
         default="warn",
-        description="Nodes with no source document: pass through with a warning, or raise.",
+        description=(
+            "Nodes RSE cannot place (no source document, or nothing that orders them): pass "
+            "through after the segments with a warning, or raise."
+        ),
     )
     chunk_index_key: str = Field(
         default=CHUNK_INDEX_KEY, description="Metadata key of the stamped chunk index."
@@ -350,10 +353,16 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
                     ordered_ids[doc_id] = [n.node_id for n in order]
                     held[doc_id] = dict(enumerate(order))
         fetchable: set[str] = set()  # documents whose missing chunks can still be read
-        for doc_id, members in docs.items():
+        for doc_id, members in list(docs.items()):
             if doc_id in ordered_ids or (doc_id in positions and source.supports("chunk_indices")):
                 fetchable.add(doc_id)
             elif doc_id not in positions:
+                if not _orderable(members):
+                    lost = [h.item for h in hits if h.node.ref_doc_id == doc_id]
+                    self._unplaceable(lost, "carry no chunk index, offsets or NEXT/PREVIOUS links")
+                    passthrough.extend(lost)
+                    del docs[doc_id]
+                    continue
                 positions[doc_id] = _positions_from_links(members)
             mine = held.setdefault(doc_id, {})
             for node in members:  # the retrieved copy wins over a copy read back
@@ -441,17 +450,22 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
             if item.node.ref_doc_id is None:
                 passthrough.append(item)
             else:
-                hits.append(_Hit(item.node, rank, float(value)))
-        if passthrough:
-            message = (
-                f"{len(passthrough)} node(s) have no source document (no SOURCE relationship), "
-                "so RSE cannot place them in a document; they pass through unchanged. Fix: build "
-                "nodes with a splitter from Documents, or set on_unplaceable='warn' to accept this."
-            )
-            if self.on_unplaceable == "raise":
-                raise ValueError(message)
-            warnings.warn(message, stacklevel=4)
+                hits.append(_Hit(item, rank, float(value)))
+        self._unplaceable(passthrough, "have no source document (no SOURCE relationship)")
         return hits, passthrough
+
+    def _unplaceable(self, items: list[NodeWithScore], why: str) -> None:
+        """Warn (or raise) about nodes that pass through because they cannot be ordered."""
+        if not items:
+            return
+        message = (
+            f"{len(items)} node(s) {why}, so RSE cannot place them in their document; they pass "
+            "through unchanged. Fix: build nodes with a LlamaIndex splitter (offsets and "
+            "relationships), add ChunkIndexer at ingestion, or pass the docstore or vector store."
+        )
+        if self.on_unplaceable == "raise":
+            raise ValueError(message)
+        warnings.warn(message, stacklevel=5)
 
     def _select_documents(self, hits: list[_Hit]) -> dict[str, list[BaseNode]]:
         top_k = int(self._param("top_k_for_document_selection"))
@@ -553,9 +567,13 @@ _CALIBRATIONS = {"cosine", "raw", "cohere", "voyage"}
 
 @dataclass
 class _Hit:
-    node: BaseNode
+    item: NodeWithScore
     rank: int
     value: float
+
+    @property
+    def node(self) -> BaseNode:
+        return self.item.node
 
 
 def _index(node: BaseNode, key: str) -> int | None:
@@ -593,6 +611,15 @@ def _document_order(members: list[BaseNode]) -> list[BaseNode]:
             nxt = _link(node, NodeRelationship.NEXT)
             node = by_id.get(nxt) if nxt else None
     return ordered
+
+
+def _orderable(members: list[BaseNode]) -> bool:
+    """Whether anything on the nodes themselves says where they sit in their document."""
+    return all(getattr(n, "start_char_idx", None) is not None for n in members) or any(
+        _link(n, r) is not None
+        for n in members
+        for r in (NodeRelationship.NEXT, NodeRelationship.PREVIOUS)
+    )
 
 
 def _positions_from_links(members: list[BaseNode]) -> dict[str, int]:

@@ -21,6 +21,7 @@ from llama_index.packs.self_rag_rse.postprocessor import (
     Segment,
     SegmentExtraction,
 )
+from llama_index.packs.self_rag_rse.prompted_critic import LabelScale, PromptedCritic, parse_reply
 from llama_index.packs.self_rag_rse.query_engine import SelfRAGQueryEngine
 from llama_index.packs.self_rag_rse.segments import (
     PRESETS,
@@ -31,4 +32,4 @@ from llama_index.packs.self_rag_rse.segments import (
     get_preset,
 )
 
-__all__ = ["CHUNK_INDEX_KEY", "COHERE_RERANK_BETA", "PRESETS", "VOYAGE_RERANK_BETA", "ChunkIndexer", "Critic", "ParagraphJudgement", "RSEPreset", "RelevantSegmentPostprocessor", "RetrievalDecision", "Segment", "SegmentExtraction", "SelfRAGPack", "SelfRAGQueryEngine", "adjust_for_length", "beta_cdf", "calibrate_beta", "calibrate_minmax", "chunk_value", "final_score", "find_best_segments", "get_preset", "plot_segments"]  # fmt: skip  # noqa: E501
+__all__ = ["CHUNK_INDEX_KEY", "COHERE_RERANK_BETA", "PRESETS", "VOYAGE_RERANK_BETA", "ChunkIndexer", "Critic", "LabelScale", "ParagraphJudgement", "PromptedCritic", "RSEPreset", "RelevantSegmentPostprocessor", "RetrievalDecision", "Segment", "SegmentExtraction", "SelfRAGPack", "SelfRAGQueryEngine", "adjust_for_length", "beta_cdf", "calibrate_beta", "calibrate_minmax", "chunk_value", "final_score", "find_best_segments", "get_preset", "parse_reply", "plot_segments"]  # fmt: skip  # noqa: E501

@@ -30,6 +30,9 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_DOCS = HERE / "data" / "python_reference"
 DEFAULT_QUESTION = 'When does the "else" clause of a "while" loop run?'
 COLLECTION = "quickstart"
+CHUNK_SIZE, CHUNK_OVERLAP = 128, 16
+#: Part of the fingerprint, so changing how we ingest re-indexes instead of reusing.
+INGEST_SETTINGS = f"SentenceSplitter({CHUNK_SIZE},{CHUNK_OVERLAP})+ChunkIndexer+all-MiniLM-L6-v2"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,7 +74,7 @@ def chatml_completion(text: str) -> str:
 
 
 def fingerprint(files: list[Path]) -> str:
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(INGEST_SETTINGS.encode())
     for f in files:
         digest.update(f.name.encode())
         digest.update(f.read_bytes())
@@ -122,7 +125,11 @@ def ingest(args: argparse.Namespace, client, store, embed) -> None:
     )
     started = time.perf_counter()
     pipeline = IngestionPipeline(
-        transformations=[SentenceSplitter(chunk_size=192, chunk_overlap=24), ChunkIndexer(), embed],
+        transformations=[
+            SentenceSplitter(chunk_size=CHUNK_SIZE, chunk_overlap=CHUNK_OVERLAP),
+            ChunkIndexer(),
+            embed,
+        ],
         vector_store=store,
     )
     nodes = pipeline.run(documents=documents, show_progress=True)
@@ -162,8 +169,16 @@ def main(argv: list[str] | None = None) -> int:
         verbose=False,
         **formatting,
     )
+    # Segments of at most 6 chunks (~800 tokens) keep the small default model's prompts short;
+    # with a 7B model, drop these two limits and use the preset's 15 / 30.
     postprocessors = (
-        [] if args.no_rse else [RelevantSegmentPostprocessor(vector_store=store, preset="balanced")]
+        []
+        if args.no_rse
+        else [
+            RelevantSegmentPostprocessor(
+                vector_store=store, preset="balanced", max_length=6, overall_max_length=12
+            )
+        ]
     )
     engine = SelfRAGQueryEngine(
         llm=llm,

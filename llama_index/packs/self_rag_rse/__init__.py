@@ -14,6 +14,7 @@ from llama_index.packs.self_rag_rse.critic import (
     RetrievalDecision,
     final_score,
 )
+from llama_index.packs.self_rag_rse.llama_cpp_decoding import BatchedDecoder, SequenceOutput
 from llama_index.packs.self_rag_rse.pack import SelfRAGPack
 from llama_index.packs.self_rag_rse.plot import plot_segments
 from llama_index.packs.self_rag_rse.postprocessor import (
@@ -23,6 +24,8 @@ from llama_index.packs.self_rag_rse.postprocessor import (
 )
 from llama_index.packs.self_rag_rse.prompted_critic import LabelScale, PromptedCritic, parse_reply
 from llama_index.packs.self_rag_rse.query_engine import SelfRAGQueryEngine
+from llama_index.packs.self_rag_rse.reflection import REFLECTION_TOKENS, score_generation
+from llama_index.packs.self_rag_rse.reflection_critic import ReflectionCritic
 from llama_index.packs.self_rag_rse.segments import (
     PRESETS,
     RSEPreset,
@@ -32,4 +35,4 @@ from llama_index.packs.self_rag_rse.segments import (
     get_preset,
 )
 
-__all__ = ["CHUNK_INDEX_KEY", "COHERE_RERANK_BETA", "PRESETS", "VOYAGE_RERANK_BETA", "ChunkIndexer", "Critic", "LabelScale", "ParagraphJudgement", "PromptedCritic", "RSEPreset", "RelevantSegmentPostprocessor", "RetrievalDecision", "Segment", "SegmentExtraction", "SelfRAGPack", "SelfRAGQueryEngine", "adjust_for_length", "beta_cdf", "calibrate_beta", "calibrate_minmax", "chunk_value", "final_score", "find_best_segments", "get_preset", "parse_reply", "plot_segments"]  # fmt: skip  # noqa: E501
+__all__ = ["CHUNK_INDEX_KEY", "COHERE_RERANK_BETA", "PRESETS", "REFLECTION_TOKENS", "VOYAGE_RERANK_BETA", "BatchedDecoder", "ChunkIndexer", "Critic", "LabelScale", "ParagraphJudgement", "PromptedCritic", "RSEPreset", "ReflectionCritic", "RelevantSegmentPostprocessor", "RetrievalDecision", "Segment", "SegmentExtraction", "SelfRAGPack", "SelfRAGQueryEngine", "SequenceOutput", "adjust_for_length", "beta_cdf", "calibrate_beta", "calibrate_minmax", "chunk_value", "final_score", "find_best_segments", "get_preset", "parse_reply", "plot_segments", "score_generation"]  # fmt: skip  # noqa: E501

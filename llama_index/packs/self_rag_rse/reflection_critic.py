@@ -1,0 +1,259 @@
+"""The reflection-token critic: Self-RAG GGUFs on llama.cpp, scored from their own logits.
+
+A Self-RAG model critiques itself: after ``[Retrieval]<paragraph>...</paragraph>`` it writes
+``[Relevant]``/``[Irrelevant]``, the answer, a grounding token and a ``[Utility:k]`` token. This
+critic reads the probabilities of those tokens straight from the logits of one batched llama.cpp
+pass over all paragraphs (:mod:`.llama_cpp_decoding`) and turns them into scores with the pure
+functions of :mod:`.reflection`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from llama_index.packs.self_rag_rse.critic import (
+    ParagraphJudgement,
+    RetrievalDecision,
+    run_in_thread,
+)
+from llama_index.packs.self_rag_rse.llama_cpp_decoding import BatchedDecoder
+from llama_index.packs.self_rag_rse.reflection import (
+    NO_RETRIEVAL,
+    PARAGRAPH_CLOSE,
+    PARAGRAPH_OPEN,
+    REFLECTION_TOKENS,
+    RETRIEVAL,
+    SELF_RAG_SPECIAL_TOKENS,
+    retrieval_probability,
+    score_generation,
+)
+
+if TYPE_CHECKING:
+    import llama_cpp
+
+logger = logging.getLogger(__name__)
+
+#: Self-RAG's instruction format (``retrieval_lm/utils.py`` in the reference code).
+PROMPT_TEMPLATE = "### Instruction:\n{query}\n\n### Response:\n"
+
+
+class ReflectionCritic:
+    """:class:`~.critic.Critic` for Self-RAG GGUFs (reflection tokens in the vocabulary).
+
+    Args:
+        llm: a ``llama_cpp.Llama`` holding a Self-RAG model (e.g. ``selfrag_llama2_7b``). Its
+            weights are shared with a second, multi-sequence llama.cpp context.
+        max_new_tokens: tokens generated per answer. 50, like LlamaIndex's Self-RAG pack: the
+            grounding and utility tokens come *after* the answer, so a short budget (Self-RAG's
+            short-form scripts use 15) cuts them off and IsSUP/IsUSE fall to 0.
+        n_seq_max: paragraphs decoded together; more are processed in chunks after one shared
+            evaluation of the instruction. 10 matches Self-RAG's default ``ndocs``.
+        n_ctx: maximum tokens of one prompt + paragraph + answer; longer paragraphs are truncated
+            with a warning. Defaults to ``llm.n_ctx()``.
+        n_threads: CPU threads for decoding; defaults to the ``Llama``'s setting.
+        kv_unified, flash_attn: KV-cache layout and attention kernel of the batched context, see
+            :class:`~.llama_cpp_decoding.BatchedDecoder` (defaults: flash attention as the
+            ``Llama`` has it; a shared cache on GPU or with flash attention, one stream per
+            paragraph on CPU otherwise).
+
+    Raises:
+        ValueError: when the model's vocabulary lacks a reflection token (not a Self-RAG model).
+    """
+
+    name = "reflection"
+
+    def __init__(
+        self,
+        llm: llama_cpp.Llama,
+        *,
+        max_new_tokens: int = 50,
+        n_seq_max: int = 10,
+        n_ctx: int | None = None,
+        n_threads: int | None = None,
+        kv_unified: bool | None = None,
+        flash_attn: bool | None = None,
+    ) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.llm = llm
+        self.max_new_tokens = max_new_tokens
+        #: Id of every Self-RAG special string (13 reflection tokens + 2 paragraph markers).
+        self.token_ids: dict[str, int] = _resolve_token_ids(llm)
+        self._reflection_ids = [self.token_ids[t] for t in REFLECTION_TOKENS]
+        self._special_ids = frozenset(self.token_ids.values())
+        self.decoder = BatchedDecoder(
+            llm,
+            n_seq_max=n_seq_max,
+            n_ctx=n_ctx,
+            n_batch=max(512, n_seq_max),
+            n_threads=n_threads,
+            kv_unified=kv_unified,
+            flash_attn=flash_attn,
+        )
+
+    # --- Critic protocol -----------------------------------------------------------------------
+
+    def decide_retrieval(
+        self, query: str, threshold: float | None, answer_if_skipped: bool = True
+    ) -> RetrievalDecision:
+        """Self-RAG's adaptive-retrieval gate, from one evaluation of the prompt.
+
+        With a ``threshold``, retrieve when p([Retrieval]) / (p([Retrieval]) + p([No Retrieval]))
+        at the first position exceeds it (0.0 retrieves always, 1.0 never); otherwise, if
+        ``answer_if_skipped``, the answer is generated after ``[No Retrieval]`` from the same KV
+        cache. With ``threshold=None`` the model decides greedily: retrieve when it generates
+        ``[Retrieval]`` (generation stops there); when it does not, its greedy output is the
+        answer.
+        """
+        prompt = self._prompt(query)
+        retrieval_id = self.token_ids[RETRIEVAL]
+        with self.decoder.session(prompt) as session:
+            if threshold is None:
+                out = session.generate(
+                    self.max_new_tokens, self._reflection_ids, stop_ids=[retrieval_id]
+                )
+                probability = retrieval_probability(out.tracked_logprobs)
+                retrieve = retrieval_id in out.tokens
+                answer = None if retrieve else self._answer_text(out.tokens)
+            else:
+                probability = retrieval_probability(session.logprobs(self._reflection_ids))
+                retrieve = probability > threshold
+                answer = None
+                if not retrieve and answer_if_skipped:
+                    out = session.generate(
+                        self.max_new_tokens, forced=[self.token_ids[NO_RETRIEVAL]]
+                    )
+                    answer = self._answer_text(out.tokens)
+        logger.debug(
+            "retrieval gate: p=%.4f threshold=%s retrieve=%s", probability, threshold, retrieve
+        )
+        return RetrievalDecision(retrieve=retrieve, probability=probability, answer=answer)
+
+    def judge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
+        """Answer from every paragraph in one batched pass and score each answer.
+
+        The prompt is ``### Instruction:\\n{query}\\n\\n### Response:\\n[Retrieval]<paragraph>``,
+        shared by all paragraphs and evaluated once; each paragraph's text (with its optional
+        title line) and ``</paragraph>`` follow in its own sequence. Judgements come back in input
+        order; a paragraph whose decoding failed has ``error`` set and scores 0.
+        """
+        if not paragraphs:
+            return []
+        prefix = [*self._prompt(query), self.token_ids[RETRIEVAL], self.token_ids[PARAGRAPH_OPEN]]
+        suffixes = [self._user_tokens(text, add_bos=False) for text in paragraphs]
+        outputs = self.decoder.generate(
+            prefix,
+            suffixes,
+            max_new_tokens=self.max_new_tokens,
+            track_ids=self._reflection_ids,
+            suffix_tail=[self.token_ids[PARAGRAPH_CLOSE]],
+        )
+        judgements = []
+        for out in outputs:
+            if out.error is not None:
+                judgements.append(
+                    ParagraphJudgement(
+                        answer="", relevance=0.0, support=0.0, utility=0.0, error=out.error
+                    )
+                )
+                continue
+            scores = score_generation(
+                out.tracked_logprobs, out.tokens, out.token_logprobs, self._reflection_ids
+            )
+            judgements.append(
+                ParagraphJudgement(
+                    answer=self._answer_text(out.tokens),
+                    relevance=scores.relevance,
+                    support=scores.support,
+                    utility=scores.utility,
+                    seq_score=scores.seq_score,
+                )
+            )
+        return judgements
+
+    def generate(self, query: str) -> str:
+        """Answer with no evidence: greedy continuation after ``[No Retrieval]``."""
+        with self.decoder.session(self._prompt(query)) as session:
+            out = session.generate(self.max_new_tokens, forced=[self.token_ids[NO_RETRIEVAL]])
+        return self._answer_text(out.tokens)
+
+    async def adecide_retrieval(
+        self, query: str, threshold: float | None, answer_if_skipped: bool = True
+    ) -> RetrievalDecision:
+        """:meth:`decide_retrieval` in a worker thread (llama.cpp releases the GIL)."""
+        decision: RetrievalDecision = await run_in_thread(
+            self.decide_retrieval, query, threshold, answer_if_skipped
+        )
+        return decision
+
+    async def ajudge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
+        """:meth:`judge` in a worker thread."""
+        judgements: list[ParagraphJudgement] = await run_in_thread(self.judge, query, paragraphs)
+        return judgements
+
+    async def agenerate(self, query: str) -> str:
+        """:meth:`generate` in a worker thread."""
+        answer: str = await run_in_thread(self.generate, query)
+        return answer
+
+    def close(self) -> None:
+        """Free the critic's llama.cpp context (the ``Llama`` itself stays open)."""
+        self.decoder.close()
+
+    # --- tokens ----------------------------------------------------------------------------------
+
+    def _prompt(self, query: str) -> list[int]:
+        return self._user_tokens(PROMPT_TEMPLATE.format(query=query), add_bos=True)
+
+    def _user_tokens(self, text: str, add_bos: bool) -> list[int]:
+        """Tokenize user text so it cannot smuggle in reflection tokens.
+
+        ``special=False`` keeps CONTROL-typed tokens out, but llama.cpp still matches
+        USER_DEFINED tokens in plain text, so a document quoting ``[Fully supported]`` would
+        otherwise steer the critic: such ids are dropped.
+        """
+        tokens = self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=False)
+        clean = [t for t in tokens if t not in self._special_ids]
+        if len(clean) != len(tokens):
+            logger.warning(
+                "dropped %d Self-RAG special token(s) found in user text", len(tokens) - len(clean)
+            )
+        return clean
+
+    def _answer_text(self, tokens: Sequence[int]) -> str:
+        """Detokenize an answer without reflection tokens, end markers or generated evidence."""
+        kept: list[int] = []
+        in_paragraph = False
+        for token in tokens:
+            if token == self.token_ids[PARAGRAPH_OPEN]:
+                in_paragraph = True  # the model quoting evidence is not part of its answer
+            elif token == self.token_ids[PARAGRAPH_CLOSE]:
+                in_paragraph = False
+            elif (
+                not in_paragraph
+                and token not in self._special_ids
+                and not self.decoder.is_eog(token)
+            ):
+                kept.append(token)
+        return self.llm.detokenize(kept).decode("utf-8", errors="ignore").strip()
+
+
+def _resolve_token_ids(llm: llama_cpp.Llama) -> dict[str, int]:
+    """Map every Self-RAG special string to its single token id, or explain what is missing."""
+    ids: dict[str, int] = {}
+    missing: list[str] = []
+    for text in SELF_RAG_SPECIAL_TOKENS:
+        tokens = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        if len(tokens) == 1:
+            ids[text] = int(tokens[0])
+        else:
+            missing.append(text)
+    if missing:
+        if len(missing) == len(SELF_RAG_SPECIAL_TOKENS):
+            what = f"{RETRIEVAL} token (nor any of the {len(missing)} Self-RAG special tokens)"
+        else:
+            what = f"{', '.join(missing)} token{'s' if len(missing) > 1 else ''}"
+        raise ValueError(f"model has no {what}: pass a Self-RAG GGUF or use critic='prompted'")
+    return ids

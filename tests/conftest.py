@@ -1,0 +1,127 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# ------------------------------------------------------------------------------------------------
+# Tiny Self-RAG GGUFs on llama.cpp (reflection critic and batched decoder tests).
+#
+# The models are written once per session by tests/tiny_gguf.py (~1 MB each, milliseconds).
+# Every Llama here keeps its KV cache in F32 (type_k = type_v = 0): with llama.cpp's default F16
+# cache, batches of different shapes round K/V differently and log-probs drift by ~3e-4, which
+# would blur the "exact scores" checks (the decoder inherits the cache type from the Llama).
+# ------------------------------------------------------------------------------------------------
+
+GGML_TYPE_F32 = 0
+
+
+def _llama(path: Path, **kwargs: Any) -> Any:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    options: dict[str, Any] = {
+        "n_ctx": 1024,
+        # One thread: the tiny model gains nothing from two, and llama.cpp's spinning thread
+        # barriers slow down 20x when other processes compete for the cores.
+        "n_threads": 1,
+        "n_threads_batch": 1,
+        "type_k": GGML_TYPE_F32,
+        "type_v": GGML_TYPE_F32,
+        "verbose": False,
+    }
+    options.update(kwargs)
+    return llama_cpp.Llama(str(path), **options)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny GGUFs keyed by how they type the Self-RAG tokens: control, user_defined, none."""
+    pytest.importorskip("gguf")
+    from tiny_gguf import TYPINGS, write_tiny_gguf
+
+    folder = tmp_path_factory.mktemp("tiny_gguf")
+    return {typing: write_tiny_gguf(folder / f"{typing}.gguf", typing=typing) for typing in TYPINGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_gguf_paths: dict[str, Path]) -> Iterator[Any]:
+    """A Llama on the tiny model whose reflection tokens are USER_DEFINED."""
+    llm = _llama(tiny_gguf_paths["user_defined"])
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_control(tiny_gguf_paths: dict[str, Path]) -> Iterator[Any]:
+    """Same weights, reflection tokens typed CONTROL."""
+    llm = _llama(tiny_gguf_paths["control"])
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_plain(tiny_gguf_paths: dict[str, Path]) -> Iterator[Any]:
+    """A tiny model without any Self-RAG token."""
+    llm = _llama(tiny_gguf_paths["none"])
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="session")
+def reference_llm(tiny_gguf_paths: dict[str, Path]) -> Iterator[Any]:
+    """The USER_DEFINED model with logits_all=True: the oracle for full-vocabulary log-probs."""
+    llm = _llama(tiny_gguf_paths["user_defined"], logits_all=True)
+    yield llm
+    llm.close()
+
+
+def reference_logprobs(ref_llm: Any, context: list[int], generated: list[int]) -> Any:
+    """Full-vocabulary log-softmax at each generated position, by a ``logits_all`` Llama.
+
+    Row ``i`` is the distribution of ``generated[i]`` given ``context + generated[:i]``, computed
+    with numpy from ``Llama.scores`` (the raw logits) in float64.
+    """
+    import numpy as np
+
+    ref_llm.reset()
+    ref_llm.eval(context + generated[:-1])
+    start = len(context) - 1
+    rows = np.asarray(ref_llm.scores[start : start + len(generated)], dtype=np.float64)
+    top = rows.max(axis=1, keepdims=True)
+    return rows - (top + np.log(np.exp(rows - top).sum(axis=1, keepdims=True)))
+
+
+def reference_greedy(ref_llm: Any, context: list[int], max_new_tokens: int) -> list[int]:
+    """Plain greedy decoding, one token at a time, stopping after EOS (which is kept)."""
+    import numpy as np
+
+    ref_llm.reset()
+    ref_llm.eval(context)
+    generated: list[int] = []
+    while len(generated) < max_new_tokens:
+        token = int(np.argmax(ref_llm.scores[ref_llm.n_tokens - 1]))
+        generated.append(token)
+        if token == ref_llm.token_eos():
+            break
+        ref_llm.eval([token])
+    return generated
+
+
+@pytest.fixture(scope="session")
+def reference() -> Any:
+    """:func:`reference_logprobs` as a fixture, for test modules that cannot import conftest."""
+    return reference_logprobs
+
+
+@pytest.fixture(scope="session")
+def greedy() -> Any:
+    """:func:`reference_greedy` as a fixture."""
+    return reference_greedy
+
+
+# ------------------------------------------------------------------------------------------------
+# End of the tiny GGUF block.
+# ------------------------------------------------------------------------------------------------

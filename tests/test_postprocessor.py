@@ -7,6 +7,7 @@ import itertools
 import warnings
 
 import pytest
+from corpus import CORPUS, corpus_documents, qdrant_index
 from llama_index.core import VectorStoreIndex
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
@@ -14,7 +15,6 @@ from llama_index.core.llms import MockLLM
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeRelationship, NodeWithScore, RelatedNodeInfo, TextNode
 from llama_index.core.storage.docstore import SimpleDocumentStore
-from rse_fixtures import CORPUS, corpus_documents, corpus_nodes, minilm, qdrant_index  # noqa: F401
 
 from llama_index.packs.self_rag_rse import ChunkIndexer, RelevantSegmentPostprocessor
 
@@ -48,16 +48,16 @@ def assert_exact_segments(result: list[NodeWithScore]) -> None:
 
 
 @pytest.fixture(scope="module")
-def indexed(corpus_nodes, minilm):  # noqa: F811
+def indexed(corpus_nodes, minilm):
     return qdrant_index(corpus_nodes, minilm, collection="indexed")
 
 
 @pytest.fixture(scope="module")
-def unindexed(corpus_nodes, minilm):  # noqa: F811
+def unindexed(corpus_nodes, minilm):
     return qdrant_index(corpus_nodes, minilm, keep_chunk_index=False, collection="plain")
 
 
-def test_chunk_indexer_numbers_each_document_in_order(corpus_nodes):  # noqa: F811
+def test_chunk_indexer_numbers_each_document_in_order(corpus_nodes):
     by_doc: dict[str, list] = {}
     for node in corpus_nodes:
         by_doc.setdefault(node.ref_doc_id, []).append(node)
@@ -101,7 +101,7 @@ def test_qdrant_without_chunk_index_orders_by_reading_documents(indexed, unindex
     assert [r.node.get_content() for r in result] == [r.node.get_content() for r in with_index]
 
 
-def test_docstore_index_reads_gaps_by_id(corpus_nodes, minilm):  # noqa: F811
+def test_docstore_index_reads_gaps_by_id(corpus_nodes, minilm):
     nodes = [n.model_copy(deep=True) for n in corpus_nodes]
     for node in nodes:
         node.metadata.pop("chunk_index")
@@ -133,7 +133,7 @@ def test_output_chunks_returns_members_in_document_order(indexed):
     assert [c.node.node_id for c in chunks] == expected
 
 
-def test_async_matches_sync_on_async_qdrant(corpus_nodes):  # noqa: F811
+def test_async_matches_sync_on_async_qdrant(corpus_nodes):
     from llama_index.core.vector_stores.types import VectorStoreQuery
     from llama_index.vector_stores.qdrant import QdrantVectorStore
     from qdrant_client import AsyncQdrantClient

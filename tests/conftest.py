@@ -159,3 +159,22 @@ def corpus_nodes(minilm):
         transformations=[SentenceSplitter(chunk_size=128, chunk_overlap=24), ChunkIndexer(), minilm]
     )
     return pipeline.run(documents=corpus_documents())
+
+
+@pytest.fixture
+def events() -> Iterator[list[str]]:
+    """Class names of the LlamaIndex instrumentation events emitted during the test."""
+    from llama_index.core.instrumentation import get_dispatcher
+    from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+
+    seen: list[str] = []
+
+    class Recorder(BaseEventHandler):
+        def handle(self, event: Any, **kwargs: Any) -> None:
+            seen.append(event.class_name())
+
+    recorder = Recorder()
+    root = get_dispatcher()
+    root.add_event_handler(recorder)
+    yield seen
+    root.event_handlers.remove(recorder)

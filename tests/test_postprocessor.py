@@ -9,8 +9,6 @@ import warnings
 import pytest
 from corpus import CORPUS, corpus_documents, qdrant_index
 from llama_index.core import VectorStoreIndex
-from llama_index.core.instrumentation import get_dispatcher
-from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.llms import MockLLM
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeRelationship, NodeWithScore, RelatedNodeInfo, TextNode
@@ -159,22 +157,10 @@ def test_async_matches_sync_on_async_qdrant(corpus_nodes):
     assert 'The "while" statement' in result[0].node.get_content()
 
 
-def test_emits_rerank_events(indexed):
-    seen = []
-
-    class Recorder(BaseEventHandler):
-        def handle(self, event, **kwargs):
-            seen.append(event.class_name())
-
-    recorder = Recorder()
-    root = get_dispatcher()
-    root.add_event_handler(recorder)
-    try:
-        retrieved = indexed.as_retriever(similarity_top_k=5).retrieve(QUERY)
-        RelevantSegmentPostprocessor(index=indexed).postprocess_nodes(retrieved)
-    finally:
-        root.event_handlers.remove(recorder)
-    assert "ReRankStartEvent" in seen and "ReRankEndEvent" in seen
+def test_emits_rerank_events(indexed, events):
+    retrieved = indexed.as_retriever(similarity_top_k=5).retrieve(QUERY)
+    RelevantSegmentPostprocessor(index=indexed).postprocess_nodes(retrieved)
+    assert "ReRankStartEvent" in events and "ReRankEndEvent" in events
 
 
 # -- bad and unusual input ---------------------------------------------------------------------

@@ -7,8 +7,6 @@ import threading
 
 import pytest
 from llama_index.core.base.base_retriever import BaseRetriever
-from llama_index.core.instrumentation import get_dispatcher
-from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
@@ -208,21 +206,9 @@ def test_aquery_and_concurrent_queries_agree(engine):
     assert [results[i] for i in range(3)] == serial
 
 
-def test_query_events_are_emitted(engine):
-    seen = []
-
-    class Recorder(BaseEventHandler):
-        def handle(self, event, **kwargs):
-            seen.append(event.class_name())
-
-    recorder = Recorder()
-    root = get_dispatcher()
-    root.add_event_handler(recorder)
-    try:
-        engine.query("q")
-    finally:
-        root.event_handlers.remove(recorder)
-    assert "QueryStartEvent" in seen and "QueryEndEvent" in seen
+def test_query_events_are_emitted(engine, events):
+    engine.query("q")
+    assert "QueryStartEvent" in events and "QueryEndEvent" in events
 
 
 def test_pack_and_legacy_import_path(tiny_gguf_paths):

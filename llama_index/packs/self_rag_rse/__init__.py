@@ -14,6 +14,7 @@ from llama_index.packs.self_rag_rse.critic import (
     RetrievalDecision,
     final_score,
 )
+from llama_index.packs.self_rag_rse.labels import LabelScale, parse_reply
 from llama_index.packs.self_rag_rse.llama_cpp_decoding import BatchedDecoder, SequenceOutput
 from llama_index.packs.self_rag_rse.pack import SelfRAGPack
 from llama_index.packs.self_rag_rse.plot import plot_segments
@@ -22,7 +23,7 @@ from llama_index.packs.self_rag_rse.postprocessor import (
     Segment,
     SegmentExtraction,
 )
-from llama_index.packs.self_rag_rse.prompted_critic import LabelScale, PromptedCritic, parse_reply
+from llama_index.packs.self_rag_rse.prompted_critic import PromptedCritic
 from llama_index.packs.self_rag_rse.query_engine import SelfRAGQueryEngine
 from llama_index.packs.self_rag_rse.reflection import REFLECTION_TOKENS, score_generation
 from llama_index.packs.self_rag_rse.reflection_critic import ReflectionCritic

@@ -77,6 +77,18 @@ def _import_llama_cpp() -> Any:
     return llama_cpp
 
 
+def llama_of(llm: Any) -> llama_cpp.Llama | None:
+    """The ``llama_cpp.Llama`` behind ``llm`` (itself, or a ``LlamaCPP``'s ``_model``), if any."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    if isinstance(llm, llama_cpp.Llama):
+        return llm
+    model = getattr(llm, "_model", None)
+    return model if isinstance(model, llama_cpp.Llama) else None
+
+
 @dataclass
 class SequenceOutput:
     """What one sequence produced.

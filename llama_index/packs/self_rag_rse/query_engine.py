@@ -28,6 +28,7 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, QueryType
 
 from llama_index.packs.self_rag_rse.critic import Critic, ParagraphJudgement, RetrievalDecision
+from llama_index.packs.self_rag_rse.llama_cpp_decoding import llama_of
 
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
@@ -432,7 +433,7 @@ def _build_critic(
         raise ValueError("pass model_path= or llm=, not both")
     if model_path is not None:
         llm = _load_gguf(model_path, model_kwargs)
-    raw = _llama_cpp_model(llm)
+    raw = llama_of(llm)
     if critic in ("auto", "reflection") and raw is not None and generator_llm is None:
         from llama_index.packs.self_rag_rse.reflection_critic import ReflectionCritic
 
@@ -462,18 +463,6 @@ def _load_gguf(model_path: str, model_kwargs: dict[str, Any] | None) -> Any:
         ) from error
     kwargs = {**DEFAULT_MODEL_KWARGS, **(model_kwargs or {})}
     return llama_cpp.Llama(model_path=str(model_path), **kwargs)
-
-
-def _llama_cpp_model(llm: Any) -> Any:
-    """The ``llama_cpp.Llama`` behind ``llm`` (itself or a LlamaCPP's), else None."""
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    if isinstance(llm, llama_cpp.Llama):
-        return llm
-    inner = getattr(llm, "_model", None)
-    return inner if isinstance(inner, llama_cpp.Llama) else None
 
 
 def _paragraph(item: NodeWithScore) -> str:

@@ -26,7 +26,8 @@ GGML_TYPE_F32 = 0
 
 
 def _llama(path: Path, **kwargs: Any) -> Any:
-    llama_cpp = pytest.importorskip("llama_cpp")
+    import llama_cpp
+
     options: dict[str, Any] = {
         "n_ctx": 1024,
         # One thread: the tiny model gains nothing from two, and llama.cpp's spinning thread
@@ -44,7 +45,6 @@ def _llama(path: Path, **kwargs: Any) -> Any:
 @pytest.fixture(scope="session")
 def tiny_gguf_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny GGUFs keyed by how they type the Self-RAG tokens: control, user_defined, none."""
-    pytest.importorskip("gguf")
     from tiny_gguf import TYPINGS, write_tiny_gguf
 
     folder = tmp_path_factory.mktemp("tiny_gguf")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import llama_cpp
 import numpy as np
 import pytest
 
@@ -16,8 +17,6 @@ from llama_index.packs.self_rag_rse.reflection import (
     REFLECTION_TOKENS,
     RETRIEVAL,
 )
-
-llama_cpp = pytest.importorskip("llama_cpp")
 
 PARAGRAPHS = [
     "Paris is the capital and largest city of France.",

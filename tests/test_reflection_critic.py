@@ -6,6 +6,7 @@ import asyncio
 import threading
 from typing import Any
 
+import llama_cpp
 import numpy as np
 import pytest
 
@@ -24,8 +25,6 @@ from llama_index.packs.self_rag_rse.reflection import (
     UTILITY_TOKENS,
 )
 from llama_index.packs.self_rag_rse.reflection_critic import PROMPT_TEMPLATE, ReflectionCritic
-
-llama_cpp = pytest.importorskip("llama_cpp")
 
 QUERIES = [
     "What is the capital of France?",

@@ -15,6 +15,7 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from llama_index.packs.self_rag_rse import ParagraphJudgement, RetrievalDecision, SelfRAGQueryEngine
 from llama_index.packs.self_rag_rse.query_engine import (
     GROUNDED_INSTRUCTION,
+    NO_ANSWER,
     QUERY2DOC_INSTRUCTION,
     REWRITE_INSTRUCTION,
 )
@@ -188,3 +189,28 @@ def test_failed_paragraph_does_not_lose_the_others():
     assert response.response == "answer from gold"
     paragraphs = response.metadata["self_rag"]["paragraphs"]
     assert paragraphs[0]["error"] == "decode failed" and paragraphs[0]["score"] is None
+
+
+def test_corrective_answer_comes_from_a_relevant_paragraph():
+    # The irrelevant paragraph outscores the relevant one on the raw formula (1.9 vs 1.2).
+    critic = ScriptedCritic({"glib": (0.4, 1.0, 1.0), "gold": (0.6, 0.6, 0.0)})
+    retriever = RoutingRetriever({QUESTION: ["glib", "gold"]})
+    assert SelfRAGQueryEngine(retriever=retriever, critic=critic).query(QUESTION).response == (
+        "answer from glib"
+    )
+    response = engine_for(critic, retriever).query(QUESTION)
+    assert response.response == "answer from gold"
+    assert retriever.queries == [QUESTION, QUESTION]  # no extra round was needed
+
+
+def test_never_an_empty_response():
+    class Mute(ScriptedCritic):
+        def generate(self, text):
+            answer = super().generate(text)
+            return "" if text == QUESTION else answer
+
+    critic = Mute({"junk": (0.1, 0.9, 1.0)})
+    retriever = RoutingRetriever({QUESTION: ["junk"]})
+    response = engine_for(critic, retriever, max_retrieval_rounds=1).query(QUESTION)
+    assert response.response == NO_ANSWER
+    assert steps(response)[-2:] == ["fallback", "no_answer"]

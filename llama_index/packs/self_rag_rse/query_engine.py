@@ -48,6 +48,8 @@ REWRITE_INSTRUCTION = (
     "Answer with the query only.\n\nQuestion: {query}"
 )
 GROUNDED_INSTRUCTION = "{query}\n\nAnswer using only facts stated in the paragraph."
+#: The response when neither any paragraph nor the model alone produced text.
+NO_ANSWER = "No answer could be generated for this question."
 
 
 @dataclass
@@ -305,8 +307,8 @@ class SelfRAGQueryEngine(CustomQueryEngine):
                     candidates.append(_Candidate(node, judgement, self._score(judgement)))
             if not self.corrective or rounds >= self.max_retrieval_rounds:
                 break
-            best = _best(candidates)
-            if best is None or best.judgement.relevance < self.rewrite_threshold:
+            best = _best(self._relevant(candidates))
+            if best is None:
                 reason = "no relevant paragraph"
             elif best.judgement.utility < self.utility_threshold:
                 reason = "low utility"
@@ -325,14 +327,14 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         if self.corrective:
             # Keep only paragraphs that passed the relevance bar across rounds; if none did,
             # every round failed and the model answers alone.
-            relevant = [c for c in candidates if c.judgement.relevance >= self.rewrite_threshold]
+            relevant = self._relevant(candidates)
             if candidates and not relevant:
                 trace.append({"step": "fallback", "reason": "no relevant paragraph in any round"})
                 answer = yield _Step("generate", query)
                 meta["retrieve"] = True
                 meta["paragraphs"] = [_paragraph_meta(c) for c in candidates]
                 return self._respond(answer, candidates, meta, best=None)
-            chosen = yield from self._ensure_support(query, candidates, trace)
+            chosen = yield from self._ensure_support(query, relevant, trace)
         else:
             chosen = _best(candidates)
 
@@ -382,6 +384,14 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         trace.append({"step": "keep_best", "reason": "no paragraph supports its answer"})
         return best
 
+    def _relevant(self, candidates: list[_Candidate]) -> list[_Candidate]:
+        """Paragraphs the corrective loop may answer from: relevance at the bar, no error."""
+        return [
+            c
+            for c in candidates
+            if c.judgement.error is None and c.judgement.relevance >= self.rewrite_threshold
+        ]
+
     def _score(self, judgement: ParagraphJudgement) -> float:
         if judgement.error is not None:
             return float("-inf")
@@ -395,6 +405,10 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         best: _Candidate | None = None,
     ) -> Response:
         answer = answer.strip()
+        if not answer:
+            # The model produced nothing usable even on its own: say so rather than return "".
+            answer = NO_ANSWER
+            meta["trace"].append({"step": "no_answer", "reason": "the model generated no text"})
         if best is not None:
             meta["best"] = next(i for i, c in enumerate(candidates) if c is best)
         if self.verbose:

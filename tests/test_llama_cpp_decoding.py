@@ -92,6 +92,36 @@ def test_batched_equals_serial_and_chunks(decoder: BatchedDecoder, tiny_llm: Any
         assert_same(batched[i], serial)
 
 
+@pytest.mark.parametrize("n_tails", [2, 3])  # n_seq_max=4: groups of 2 suffixes, then of 1
+def test_tails_equal_each_suffix_plus_tail_decoded_alone(
+    decoder: BatchedDecoder, tiny_llm: Any, n_tails: int
+) -> None:
+    inputs = judge_inputs(tiny_llm)
+    tails = [[], list(tiny_llm.tokenize(b" Is it relevant?", add_bos=False)), [inputs["prefix"][1]]]
+    tails = tails[:n_tails]
+    max_new = [12, 1, 6][:n_tails]
+    suffixes = [*inputs["suffixes"], []]
+    outputs = decoder.generate(
+        **{**inputs, "suffixes": suffixes}, tails=tails, max_new_tokens=max_new
+    )
+    assert len(outputs) == len(suffixes) * len(tails)
+    for i, suffix in enumerate(suffixes):
+        for j, tail in enumerate(tails):
+            (alone,) = decoder.generate(
+                **{
+                    **inputs,
+                    "suffixes": [suffix + inputs["suffix_tail"] + tail],
+                    "suffix_tail": [],
+                },
+                max_new_tokens=max_new[j],
+            )
+            out = outputs[i * len(tails) + j]
+            assert out.error is None and len(out.tokens) <= max_new[j]
+            assert_same(out, alone, tol=1e-5)
+    with pytest.raises(ValueError, match="one per tail"):
+        decoder.generate(**inputs, tails=tails, max_new_tokens=[1, 2, 3, 4])
+
+
 def test_stop_ids_max_new_tokens_and_empty_suffix(decoder: BatchedDecoder, tiny_llm: Any) -> None:
     inputs = judge_inputs(tiny_llm)
     full = decoder.generate(**inputs, max_new_tokens=30)

@@ -413,7 +413,7 @@ def batched_run(smollm2_critic: PromptedCritic) -> tuple[list[ParagraphJudgement
     original = decoder.generate
 
     def spy(prefix: Any, suffixes: Any, **kwargs: Any) -> Any:
-        calls.append({"n": len(suffixes), **kwargs})
+        calls.append({"n": len(suffixes), "prefix": prefix, "suffixes": suffixes, **kwargs})
         return original(prefix, suffixes, **kwargs)
 
     decoder.generate = spy  # type: ignore[method-assign]
@@ -448,12 +448,66 @@ def test_llama_cpp_judges_every_paragraph_in_one_decode_per_question(
     batched_run: tuple[list[ParagraphJudgement], list[Any]],
 ) -> None:
     _, calls = batched_run
-    # answers, relevance, support, utility: one multi-sequence decode each
-    assert len(calls) == 4
+    # answers + relevance (one paragraph evaluation, two tails), support, utility
+    assert len(calls) == 3
     assert all(call["n"] == len(PARAGRAPHS) for call in calls)
-    assert sorted(call["max_new_tokens"] for call in calls) == [1, 1, 1, 24]
-    label_calls = [call for call in calls if call["max_new_tokens"] == 1]
+    first, *label_calls = calls
+    assert len(first["tails"]) == 2 and first["max_new_tokens"] == [24, 1]
+    assert [call["max_new_tokens"] for call in label_calls] == [1, 1]
     assert sorted(len(call["track_ids"]) for call in label_calls)[-1] >= 5  # 1..5 at least
+
+
+def paragraph_evaluations(llm: Any, calls: list[Any]) -> dict[str, int]:
+    """How many decoded sequences evaluate each paragraph (the prefix counts once per call)."""
+    texts = [
+        llm._model.detokenize([*call["prefix"], *suffix, *call.get("suffix_tail", [])]).decode(
+            "utf-8", "ignore"
+        )
+        for call in calls
+        for suffix in call["suffixes"]
+    ]
+    return {p: sum(f"Paragraph:\n{p}" in text for text in texts) for p in PARAGRAPHS}
+
+
+@pytest.mark.slow
+def test_llama_cpp_evaluates_each_paragraph_twice_not_three_times(
+    smollm2: Any, batched_run: tuple[list[ParagraphJudgement], list[Any]]
+) -> None:
+    _, calls = batched_run
+    # once shared by the answer and relevance prompts, once for support (it needs the answer)
+    assert paragraph_evaluations(smollm2, calls) == {p: 2 for p in PARAGRAPHS}
+
+
+@pytest.mark.slow
+def test_llama_cpp_templates_without_a_shared_paragraph_prefix_decode_apart(
+    smollm2: Any, batched_run: tuple[list[ParagraphJudgement], list[Any]]
+) -> None:
+    judgements, _ = batched_run
+    critic = PromptedCritic(smollm2, max_new_tokens=24)
+    critic.update_prompts(
+        {
+            "relevance_prompt": "Paragraph:\n{context_str}\n\nQuestion: {query_str}\n\n"
+            "Is this paragraph relevant to the question? Reply with one word: Yes or No."
+        }
+    )
+    decoder = critic.decoder
+    assert decoder is not None
+    calls: list[dict[str, Any]] = []
+    original = decoder.generate
+
+    def spy(prefix: Any, suffixes: Any, **kwargs: Any) -> Any:
+        calls.append({"prefix": prefix, "suffixes": suffixes, **kwargs})
+        return original(prefix, suffixes, **kwargs)
+
+    decoder.generate = spy  # type: ignore[method-assign]
+    try:
+        apart = critic.judge(QUERY, PARAGRAPHS)
+    finally:
+        critic.close()
+    assert len(calls) == 4 and all("tails" not in call for call in calls)
+    assert paragraph_evaluations(smollm2, calls) == {p: 3 for p in PARAGRAPHS}
+    # the answer prompt did not change, and neither did its answers
+    assert [j.answer for j in apart] == [j.answer for j in judgements]
 
 
 @pytest.mark.slow

@@ -10,6 +10,8 @@ talks to llama.cpp's low-level API instead, on a second context over the weights
   split cache copies them into each sequence's stream);
 * the sequences' suffixes (the paragraphs) and then one new token per live sequence go through
   ``llama_decode`` together, so k paragraphs cost roughly one pass over the weights per step;
+* a suffix asked several questions (``tails``) is evaluated once too and copied the same way to
+  one sequence per question;
 * at every generated position the raw logits of that sequence are turned into an exact
   full-vocabulary log-softmax in numpy, from which the log-probs of a few *tracked* token ids are
   read (reflection tokens, Yes/No labels...). Nothing is sorted, nothing is detokenized.
@@ -240,61 +242,109 @@ class BatchedDecoder:
         prefix: Sequence[int],
         suffixes: Sequence[Sequence[int]],
         *,
-        max_new_tokens: int,
+        max_new_tokens: int | Sequence[int],
         track_ids: Sequence[int] = (),
         suffix_tail: Sequence[int] = (),
         stop_ids: Sequence[int] = (),
+        tails: Sequence[Sequence[int]] = ((),),
     ) -> list[SequenceOutput]:
-        """Greedily continue ``prefix + suffixes[i] + suffix_tail`` for every ``i``.
+        """Greedily continue ``prefix + suffixes[i] + suffix_tail + tails[j]`` for every ``i, j``.
 
         The prefix is evaluated once and shared by all sequences; ``suffix_tail`` (e.g. a closing
         ``</paragraph>``) is appended to every suffix and is never truncated, whereas a suffix
-        too long for ``n_ctx`` loses its last tokens. Each sequence stops at its own
-        end-of-generation token, at a token in ``stop_ids``, or after ``max_new_tokens``.
-        ``track_ids`` selects the columns of ``tracked_logprobs``. Results come back in input
-        order; a sequence whose decoding fails carries ``error`` and does not affect the others.
+        too long for ``n_ctx`` loses its last tokens. With several ``tails`` (questions asked of
+        one paragraph) each suffix is evaluated once, up to its last token, and copied to one
+        sequence per tail, which then feeds that last token and its tail: a suffix costs one
+        evaluation however many tails it has, and ``n_seq_max`` sequences hold
+        ``n_seq_max // len(tails)`` suffixes. Each sequence stops at its own end-of-generation
+        token, at a token in ``stop_ids``, or after ``max_new_tokens`` (one number, or one per
+        tail). ``track_ids`` selects the columns of ``tracked_logprobs``. Results come back
+        suffix-major: the output of suffix ``i`` and tail ``j`` is at ``i * len(tails) + j``; a
+        sequence whose decoding fails carries ``error`` and does not affect the others.
         """
         prefix = [int(t) for t in prefix]
         if not prefix:
             raise ValueError("prefix must hold at least one token (usually BOS)")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        tail_feeds = [[int(t) for t in tail] for tail in tails]
+        n_tails = len(tail_feeds)
+        if not 1 <= n_tails <= self.n_seq_max:
+            raise ValueError(
+                f"tails must hold 1 to n_seq_max={self.n_seq_max} tails, got {n_tails}"
+            )
+        max_new = (
+            [max_new_tokens] * n_tails if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        )
+        if len(max_new) != n_tails or min(max_new) < 0:
+            raise ValueError(
+                f"max_new_tokens must be >= 0, one number or one per tail, got {max_new_tokens}"
+            )
         track = self._track_array(track_ids)
         tail = [int(t) for t in suffix_tail]
-        feeds, truncated = self._fit_suffixes(len(prefix), suffixes, tail, max_new_tokens)
+        reserve = max(len(t) + n for t, n in zip(tail_feeds, max_new, strict=True))
+        feeds, truncated = self._fit_suffixes(len(prefix), suffixes, tail, reserve)
         if not feeds:
             return []
+        # Several tails: the suffix's last token goes with each tail, so that every sequence
+        # reads its first logits from its own batch row.
+        shared = [feed[:-1] if n_tails > 1 else [] for feed in feeds]
         stops = frozenset(int(t) for t in stop_ids)
-        outputs: list[SequenceOutput | None] = [None] * len(feeds)
+        outputs: list[SequenceOutput | None] = [None] * (len(feeds) * n_tails)
+        per_group = self.n_seq_max // n_tails
         with self._lock:
             groups = deque(
-                list(range(start, min(start + self.n_seq_max, len(feeds))))
-                for start in range(0, len(feeds), self.n_seq_max)
+                list(range(start, min(start + per_group, len(feeds))))
+                for start in range(0, len(feeds), per_group)
             )
             cells = max(
-                self._cells_needed(len(prefix), [len(feeds[i]) + max_new_tokens for i in group])
+                self._cells_needed(
+                    len(prefix),
+                    [
+                        (
+                            len(shared[i]),
+                            [
+                                len(feeds[i]) - len(shared[i]) + len(t) + n
+                                for t, n in zip(tail_feeds, max_new, strict=True)
+                            ],
+                        )
+                        for i in group
+                    ],
+                )
                 for group in groups
             )
-            widest = max(len(group) for group in groups)
+            widest = max(len(group) for group in groups) * n_tails
             prefix_logits: NDArray[np.float32] | None = None
             while groups:
                 group = groups.popleft()
                 slots = [
-                    _Slot(i, s, list(feeds[i]), len(prefix), max_new_tokens, truncated[i])
+                    _Slot(
+                        i * n_tails + j,
+                        s * n_tails + j,
+                        feeds[i][len(shared[i]) :] + tail_feeds[j] if max_new[j] else [],
+                        len(prefix) + len(shared[i]),
+                        max_new[j],
+                        truncated[i],
+                    )
                     for s, i in enumerate(group)
+                    for j in range(n_tails)
                 ]
                 try:
                     if prefix_logits is None:
                         self._ensure_context(cells, widest)
                         self._memory_clear()
                         prefix_logits = self._eval_prefix(prefix)
-                    self._share_prefix(len(group), len(prefix))
+                    self._share_prefix(len(group) * n_tails, len(prefix))
+                    if n_tails > 1:
+                        self._branch(group, shared, n_tails, len(prefix), prefix_logits)
                     self._run(slots, prefix_logits, track, stops)
                 except DecodeError as exc:
                     # The KV cache may hold half-evaluated batches: rebuild it before going on.
                     prefix_logits = None
-                    done = self._collect(slots, outputs, track)
-                    remaining = [i for i in group if i not in done]
+                    self._collect(slots, outputs, track)
+                    remaining = [
+                        i
+                        for i in group
+                        if any(outputs[i * n_tails + j] is None for j in range(n_tails))
+                    ]
                     if len(remaining) > 1:
                         half = (len(remaining) + 1) // 2
                         groups.appendleft(remaining[half:])
@@ -308,8 +358,10 @@ class BatchedDecoder:
                         )
                     else:
                         for i in remaining:
-                            outputs[i] = _failed(str(exc), len(track), truncated[i])
-                            logger.warning("sequence %d failed: %s", i, exc)
+                            for k in range(i * n_tails, (i + 1) * n_tails):
+                                if outputs[k] is None:
+                                    outputs[k] = _failed(str(exc), len(track), truncated[i])
+                            logger.warning("suffix %d failed: %s", i, exc)
                     continue
                 self._collect(slots, outputs, track)
         return [out if out is not None else _failed("not decoded", len(track)) for out in outputs]
@@ -366,11 +418,12 @@ class BatchedDecoder:
 
     # --- context, batch and KV cache -----------------------------------------------------------
 
-    def _cells_needed(self, prefix_len: int, sequence_lens: Sequence[int]) -> int:
-        """KV cells (per stream when split) for a prefix shared by sequences of these lengths."""
+    def _cells_needed(self, prefix_len: int, branches: Sequence[tuple[int, Sequence[int]]]) -> int:
+        """KV cells (per stream when split) for a prefix shared by ``(shared, own)`` branches:
+        ``shared`` cells common to the branch's sequences, then ``own[j]`` cells of sequence j."""
         if self.kv_unified:
-            return prefix_len + sum(sequence_lens)
-        return prefix_len + max(sequence_lens, default=0)
+            return prefix_len + sum(shared + sum(own) for shared, own in branches)
+        return prefix_len + max((shared + max(own) for shared, own in branches), default=0)
 
     def _ensure_context(self, cells: int, sequences: int = 1) -> bool:
         """Make sure the context holds ``cells`` KV cells (per stream when split) and accepts
@@ -431,6 +484,25 @@ class BatchedDecoder:
         for seq_id in range(1, n_sequences):
             lib.llama_memory_seq_cp(mem, 0, seq_id, -1, -1)
 
+    def _branch(
+        self,
+        group: list[int],
+        shared: list[list[int]],
+        n_tails: int,
+        prefix_len: int,
+        prefix_logits: NDArray[np.float32],
+    ) -> None:
+        """Evaluate each suffix's shared tokens into its first sequence, then copy them to the
+        suffix's other sequences (``s * n_tails + j`` for the ``s``-th suffix of the group)."""
+        prefills = [
+            _Slot(-1, s * n_tails, list(shared[i]), prefix_len, 0) for s, i in enumerate(group)
+        ]
+        self._run(prefills, prefix_logits, np.empty(0, dtype=np.intp), frozenset())
+        lib, mem = self._llama_cpp, self._memory()
+        for s in range(len(group)):
+            for j in range(1, n_tails):
+                lib.llama_memory_seq_cp(mem, s * n_tails, s * n_tails + j, -1, -1)
+
     def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
         """Evaluate ``(token, pos, seq_id, want_logits)`` entries in one ``llama_decode`` call."""
         batch = self._batch
@@ -472,11 +544,16 @@ class BatchedDecoder:
         track: NDArray[np.intp],
         stops: frozenset[int],
     ) -> None:
-        """Decode every slot to completion; a slot with nothing to feed uses ``start_logits``."""
+        """Decode every slot to completion; a slot with nothing to feed uses ``start_logits``.
+
+        A slot with ``max_new == 0`` only evaluates its feed into the KV cache (no logits).
+        """
         for slot in slots:
+            if slot.feed:
+                continue
             if slot.max_new == 0:
                 slot.finish_reason = "length"
-            elif not slot.feed:
+            else:
                 self._choose(slot, start_logits, track, stops)
         while True:
             live = [s for s in slots if s.finish_reason is None]
@@ -495,11 +572,13 @@ class BatchedDecoder:
                 take = slot.feed[:room]
                 del slot.feed[: len(take)]
                 for j, tok in enumerate(take):
-                    want = not slot.feed and j == len(take) - 1
+                    want = not slot.feed and j == len(take) - 1 and slot.max_new > 0
                     if want:
                         readers.append((slot, len(entries)))
                     entries.append((tok, slot.pos, slot.seq_id, want))
                     slot.pos += 1
+                if not slot.feed and slot.max_new == 0:
+                    slot.finish_reason = "length"
             self._decode(entries)
             for slot, batch_index in readers:
                 self._choose(slot, self._logits(batch_index), track, stops)
@@ -531,9 +610,8 @@ class BatchedDecoder:
         slots: list[_Slot],
         outputs: list[SequenceOutput | None],
         track: NDArray[np.intp],
-    ) -> set[int]:
-        """Move finished slots into ``outputs``; returns the indices that finished."""
-        done: set[int] = set()
+    ) -> None:
+        """Move finished slots into ``outputs``."""
         for slot in slots:
             if slot.finish_reason is None:
                 continue
@@ -546,8 +624,6 @@ class BatchedDecoder:
                 finish_reason=slot.finish_reason,
                 truncated=slot.truncated,
             )
-            done.add(slot.index)
-        return done
 
     # --- input checks --------------------------------------------------------------------------
 
@@ -562,14 +638,15 @@ class BatchedDecoder:
         prefix_len: int,
         suffixes: Sequence[Sequence[int]],
         tail: list[int],
-        max_new_tokens: int,
+        reserve: int,
     ) -> tuple[list[list[int]], list[int]]:
-        """Append ``tail`` to each suffix, truncating suffixes that would overflow ``n_ctx``."""
-        budget = self.n_ctx - prefix_len - len(tail) - max_new_tokens
+        """Append ``tail`` to each suffix, truncating suffixes that would overflow ``n_ctx``
+        once ``reserve`` positions (the longest of tails + new tokens) are kept after them."""
+        budget = self.n_ctx - prefix_len - len(tail) - reserve
         if budget < 0:
             raise ValueError(
-                f"prefix ({prefix_len} tokens) + tail ({len(tail)}) + max_new_tokens "
-                f"({max_new_tokens}) exceed n_ctx={self.n_ctx}: shorten the query or raise n_ctx"
+                f"prefix ({prefix_len} tokens) + tail ({len(tail)}) + tails and max_new_tokens "
+                f"({reserve}) exceed n_ctx={self.n_ctx}: shorten the query or raise n_ctx"
             )
         feeds: list[list[int]] = []
         truncated: list[int] = []
@@ -581,7 +658,7 @@ class BatchedDecoder:
         if any(truncated):
             message = (
                 f"{sum(1 for c in truncated if c)} of {len(truncated)} sequence(s) truncated to "
-                f"fit n_ctx={self.n_ctx} (prefix {prefix_len} tokens, {max_new_tokens} new tokens):"
+                f"fit n_ctx={self.n_ctx} (prefix {prefix_len} tokens, {reserve} after the suffix):"
                 f" dropped {truncated} tokens from the end of each suffix"
             )
             logger.warning(message)
@@ -604,7 +681,7 @@ class PromptSession:
         if self._closed:
             raise RuntimeError("the session is closed: use it inside its `with` block only")
         decoder = self._decoder
-        decoder._ensure_context(decoder._cells_needed(len(self._prompt), [extra_cells]))
+        decoder._ensure_context(decoder._cells_needed(len(self._prompt), [(0, [extra_cells])]))
         if self._logits is None or self._epoch != decoder._epoch:
             decoder._memory_clear()
             self._epoch = decoder._epoch

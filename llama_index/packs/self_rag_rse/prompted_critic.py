@@ -17,7 +17,9 @@ How the label probabilities are read depends on the backend:
 * **llama.cpp** (``LlamaCPP`` or a raw ``llama_cpp.Llama``): the exact next-token log-probs of the
   label words' first tokens, read from one multi-sequence decode over all paragraphs
   (:class:`~.llama_cpp_decoding.BatchedDecoder`); the answers are generated in one batched decode
-  too. Scores are expectations under those probabilities, like the paper's.
+  too, the same one as relevance when both prompts read the same tokens up to the end of the
+  paragraph (the defaults do), so each paragraph is evaluated once for both. Scores are
+  expectations under those probabilities, like the paper's.
 * **any other LlamaIndex LLM**: one call per paragraph and question, run concurrently (bounded by
   ``num_workers``). When the response carries log-probs (``ChatResponse.logprobs``, e.g. OpenAI
   with ``logprobs=True, top_logprobs=5``) the label probabilities come from them; otherwise the
@@ -367,16 +369,9 @@ class _LlamaCppBackend:
     ) -> list[_Scored | Exception]:
         """Label probabilities of every sequence from one multi-sequence decode (1 new token)."""
         groups = self.label_ids(scale)
-        track = [t for g in groups for t in g]
-        outputs = self._decode(template, query, paragraphs, answers, 1, track)
-        results: list[_Scored | Exception] = []
-        for out in outputs:
-            if out.error is not None or len(out.tracked_logprobs) == 0:
-                results.append(RuntimeError(out.error or "no logits"))
-                continue
-            label_lps = _group_logprobs(out.tracked_logprobs[0], groups)
-            results.append(_Scored(scale.expected_value(label_lps), "logprobs", None, 1))
-        return results
+        prompts = self._prompts(template, query, paragraphs, answers, 1)
+        outputs = self._decode(prompts, 1, [t for g in groups for t in g])
+        return [self._scored(out, scale, groups) for out in outputs]
 
     def generate(
         self,
@@ -385,18 +380,52 @@ class _LlamaCppBackend:
         paragraphs: Sequence[str | None],
     ) -> list[_Generated | Exception]:
         """Greedy answers for every paragraph from one multi-sequence decode."""
-        outputs = self._decode(
-            template, query, paragraphs, [None] * len(paragraphs), self.max_new_tokens, []
+        prompts = self._prompts(template, query, paragraphs, [None] * len(paragraphs))
+        return [self._generated(out) for out in self._decode(prompts, self.max_new_tokens, [])]
+
+    def generate_and_score(
+        self,
+        answer_template: BasePromptTemplate,
+        scale: LabelScale,
+        template: BasePromptTemplate,
+        query: str,
+        paragraphs: Sequence[str],
+    ) -> tuple[list[_Generated | Exception], list[_Scored | Exception]]:
+        """Answers and label probabilities for every paragraph, each paragraph evaluated once.
+
+        The two prompts usually agree up to the end of the paragraph (question, then paragraph,
+        then the instruction): the decoder evaluates that once per paragraph and continues it
+        with each instruction (``tails``). Templates that differ before that, or instructions
+        that tokenize differently after different paragraphs, get one decode each, as
+        :meth:`generate` and :meth:`score` would; so does a decoder of one sequence at a time.
+        """
+        groups = self.label_ids(scale)
+        answer_prompts = self._prompts(answer_template, query, paragraphs, [None] * len(paragraphs))
+        label_prompts = self._prompts(template, query, paragraphs, [None] * len(paragraphs), 1)
+        n_prefix = _common_prefix_length([*answer_prompts, *label_prompts])
+        forks = [
+            _common_prefix_length(pair) for pair in zip(answer_prompts, label_prompts, strict=True)
+        ]
+        answer_tails = {tuple(p[f:]) for p, f in zip(answer_prompts, forks, strict=True)}
+        label_tails = {tuple(p[f:]) for p, f in zip(label_prompts, forks, strict=True)}
+        track = [t for g in groups for t in g]
+        shared = n_prefix > 0 and len(answer_tails) == len(label_tails) == 1
+        if not shared or self.decoder.n_seq_max < 2:
+            answer_outputs = self._decode(answer_prompts, self.max_new_tokens, [])
+            label_outputs = self._decode(label_prompts, 1, track)
+        else:
+            outputs = self.decoder.generate(
+                answer_prompts[0][:n_prefix],
+                [p[n_prefix:f] for p, f in zip(answer_prompts, forks, strict=True)],
+                tails=[*answer_tails, *label_tails],
+                max_new_tokens=[self.max_new_tokens, 1],
+                track_ids=track,
+            )
+            answer_outputs, label_outputs = outputs[0::2], outputs[1::2]
+        return (
+            [self._generated(out) for out in answer_outputs],
+            [self._scored(out, scale, groups) for out in label_outputs],
         )
-        results: list[_Generated | Exception] = []
-        for out in outputs:
-            if out.error is not None:
-                results.append(RuntimeError(out.error))
-                continue
-            kept = [t for t in out.tokens if not self.decoder.is_eog(t)]
-            text = self.llama.detokenize(kept).decode("utf-8", errors="ignore").strip()
-            results.append(_Generated(text, sequence_score(out.token_logprobs), len(out.tokens)))
-        return results
 
     def gate(self, template: BasePromptTemplate, query: str) -> _Scored:
         """Gate probability from the first-position log-probs of the gate prompt."""
@@ -407,20 +436,41 @@ class _LlamaCppBackend:
         label_lps = _group_logprobs(row, groups)
         return _Scored(RETRIEVAL_SCALE.expected_value(label_lps), "logprobs", None, 1)
 
-    def _decode(
+    def _prompts(
         self,
         template: BasePromptTemplate,
         query: str,
         paragraphs: Sequence[str | None],
         answers: Sequence[str | None],
-        max_new: int,
-        track: list[int],
-    ) -> list[SequenceOutput]:
-        """Decode the prompts together: their common head once, then one sequence each."""
-        prompts = [
-            self._fitted(template, _values(query, paragraph, answer), max_new)
+        max_new: int | None = None,
+    ) -> list[list[int]]:
+        """One fitted prompt per paragraph (``max_new`` defaults to the answer length)."""
+        new = self.max_new_tokens if max_new is None else max_new
+        return [
+            self._fitted(template, _values(query, paragraph, answer), new)
             for paragraph, answer in zip(paragraphs, answers, strict=True)
         ]
+
+    def _generated(self, out: SequenceOutput) -> _Generated | Exception:
+        if out.error is not None:
+            return RuntimeError(out.error)
+        kept = [t for t in out.tokens if not self.decoder.is_eog(t)]
+        text = self.llama.detokenize(kept).decode("utf-8", errors="ignore").strip()
+        return _Generated(text, sequence_score(out.token_logprobs), len(out.tokens))
+
+    @staticmethod
+    def _scored(
+        out: SequenceOutput, scale: LabelScale, groups: Sequence[Sequence[int]]
+    ) -> _Scored | Exception:
+        if out.error is not None or len(out.tracked_logprobs) == 0:
+            return RuntimeError(out.error or "no logits")
+        label_lps = _group_logprobs(out.tracked_logprobs[0], groups)
+        return _Scored(scale.expected_value(label_lps), "logprobs", None, 1)
+
+    def _decode(
+        self, prompts: list[list[int]], max_new: int, track: list[int]
+    ) -> list[SequenceOutput]:
+        """Decode the prompts together: their common head once, then one sequence each."""
         n_prefix = _common_prefix_length(prompts)
         if n_prefix == 0:  # nothing shared (no BOS, no chat markup): decode one by one
             return [
@@ -845,9 +895,10 @@ class PromptedCritic(PromptMixin):
         """Answer ``query`` from each paragraph and score each answer, in input order.
 
         Two rounds: the answers and the relevance of every paragraph, then support and utility
-        of every answer. On llama.cpp each is one multi-sequence decode; on other LLMs each round
-        is a set of concurrent calls (at most ``num_workers`` at once). A paragraph whose call
-        failed comes back with ``error`` set and zero scores.
+        of every answer. On llama.cpp each judgement is one multi-sequence decode (answers and
+        relevance share one when their prompts agree up to the paragraph's end); on other LLMs
+        each round is a set of concurrent calls (at most ``num_workers`` at once). A paragraph
+        whose call failed comes back with ``error`` set and zero scores.
         """
         result: list[ParagraphJudgement] = self._loop.run(self.ajudge(query, paragraphs))
         return result
@@ -898,11 +949,26 @@ class PromptedCritic(PromptMixin):
             return []
         texts = list(paragraphs)
         state = [_Paragraph() for _ in texts]
-        answers_plan = self._generate_plan(self._prompts["answer_prompt"], query, texts)
-        relevance_plan = self._score_plan(
-            RELEVANCE_SCALE, self._prompts["relevance_prompt"], query, texts, [None] * len(texts)
-        )
-        answers, relevance = await self._run_plans(answers_plan, relevance_plan)
+        judge = self._judge
+        if judge is self._generator and isinstance(judge, _LlamaCppBackend):
+            answers, relevance = await asyncio.to_thread(
+                judge.generate_and_score,
+                self._prompts["answer_prompt"],
+                RELEVANCE_SCALE,
+                self._prompts["relevance_prompt"],
+                query,
+                texts,
+            )
+        else:
+            answers_plan = self._generate_plan(self._prompts["answer_prompt"], query, texts)
+            relevance_plan = self._score_plan(
+                RELEVANCE_SCALE,
+                self._prompts["relevance_prompt"],
+                query,
+                texts,
+                [None] * len(texts),
+            )
+            answers, relevance = await self._run_plans(answers_plan, relevance_plan)
         for item, answer, rel in zip(state, answers, relevance, strict=True):
             item.answer = answer
             item.scores["relevance"] = rel

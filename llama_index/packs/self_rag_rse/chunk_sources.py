@@ -152,7 +152,11 @@ class ChunkSource:
         raise ValueError(f"unknown chunk request kind {request.kind!r}")
 
     def _failed(self, request: ChunkRequest, error: Exception) -> Any:
-        store = self.docstore if request.kind in ("ref_doc_ids",) else self.vector_store
+        # Name the store that failed: id reads go to the docstore when there is one (see run()).
+        by_docstore = request.kind == "ref_doc_ids" or (
+            request.kind == "node_ids" and self.docstore is not None
+        )
+        store = self.docstore if by_docstore else self.vector_store
         logger.warning(
             "could not read %s from %s (%s: %s); segments will only join chunks already at "
             "hand. Fix: pass a docstore that holds the nodes, or a vector store whose "

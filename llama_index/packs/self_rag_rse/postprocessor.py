@@ -681,7 +681,7 @@ def _segment_node(segment: Segment) -> TextNode:
             "segment_value": segment.value,
         }
     )
-    hidden = [k for k in SEGMENT_METADATA_KEYS]
+    hidden = list(SEGMENT_METADATA_KEYS)
     for key in (*members[0].excluded_llm_metadata_keys, CHUNK_INDEX_KEY):
         if key not in hidden:
             hidden.append(key)

@@ -125,7 +125,7 @@ def main() -> None:
 
     from llama_index.llms.llama_cpp import LlamaCPP
 
-    from llama_index.packs.self_rag_rse.prompted_critic import PromptedCritic
+    from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
 
     llm = LlamaCPP(
         model_path=str(model_path()),

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from llama_index.packs.self_rag_rse.segments import (
+from llama_index.packs.self_rag_rse.rse.segments import (
     RSEPreset,
     adjust_for_length,
     chunk_value,

@@ -1,33 +1,33 @@
 """Self-RAG query engine and Relevant Segment Extraction for LlamaIndex."""
 
-from llama_index.packs.self_rag_rse.calibration import (
+from llama_index.packs.self_rag_rse.rse.calibration import (
     COHERE_RERANK_BETA,
     VOYAGE_RERANK_BETA,
     beta_cdf,
     calibrate_beta,
     calibrate_minmax,
 )
-from llama_index.packs.self_rag_rse.chunk_index import CHUNK_INDEX_KEY, ChunkIndexer
-from llama_index.packs.self_rag_rse.critic import (
+from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_INDEX_KEY, ChunkIndexer
+from llama_index.packs.self_rag_rse.self_rag.contract import (
     Critic,
     ParagraphJudgement,
     RetrievalDecision,
     final_score,
 )
-from llama_index.packs.self_rag_rse.labels import LabelScale, parse_reply
-from llama_index.packs.self_rag_rse.llama_cpp_decoding import BatchedDecoder, SequenceOutput
+from llama_index.packs.self_rag_rse.self_rag.labels import LabelScale, parse_reply
+from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder, SequenceOutput
 from llama_index.packs.self_rag_rse.pack import SelfRAGPack
-from llama_index.packs.self_rag_rse.plot import plot_segments
-from llama_index.packs.self_rag_rse.postprocessor import (
+from llama_index.packs.self_rag_rse.rse.plot import plot_segments
+from llama_index.packs.self_rag_rse.rse.postprocessor import (
     RelevantSegmentPostprocessor,
     Segment,
     SegmentExtraction,
 )
-from llama_index.packs.self_rag_rse.prompted_critic import PromptedCritic
-from llama_index.packs.self_rag_rse.query_engine import SelfRAGQueryEngine
-from llama_index.packs.self_rag_rse.reflection import REFLECTION_TOKENS, score_generation
-from llama_index.packs.self_rag_rse.reflection_critic import ReflectionCritic
-from llama_index.packs.self_rag_rse.segments import (
+from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
+from llama_index.packs.self_rag_rse.self_rag.engine import SelfRAGQueryEngine
+from llama_index.packs.self_rag_rse.self_rag.reflection import REFLECTION_TOKENS, score_generation
+from llama_index.packs.self_rag_rse.self_rag.reflection_critic import ReflectionCritic
+from llama_index.packs.self_rag_rse.rse.segments import (
     PRESETS,
     RSEPreset,
     adjust_for_length,

@@ -1,6 +1,6 @@
 """The upstream pack's import path: ``from <pack>.base import SelfRAGQueryEngine`` keeps working."""
 
 from llama_index.packs.self_rag_rse.pack import SelfRAGPack
-from llama_index.packs.self_rag_rse.query_engine import SelfRAGQueryEngine
+from llama_index.packs.self_rag_rse.self_rag.engine import SelfRAGQueryEngine
 
 __all__ = ["SelfRAGPack", "SelfRAGQueryEngine"]

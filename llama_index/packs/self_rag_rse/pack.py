@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from llama_index.packs.self_rag_rse.query_engine import SelfRAGQueryEngine
+from llama_index.packs.self_rag_rse.self_rag.engine import SelfRAGQueryEngine
 
 try:  # llama-index-core <= 0.14.20 ships the pack base class; 0.14.21 removed it.
     from llama_index.core.llama_pack.base import BaseLlamaPack

@@ -31,21 +31,21 @@ from llama_index.core.schema import (
 from llama_index.core.storage.docstore.types import BaseDocumentStore
 from llama_index.core.vector_stores.types import BasePydanticVectorStore
 
-from llama_index.packs.self_rag_rse.calibration import (
+from llama_index.packs.self_rag_rse.rse.calibration import (
     COHERE_RERANK_BETA,
     VOYAGE_RERANK_BETA,
     calibrate_beta,
     calibrate_minmax,
 )
-from llama_index.packs.self_rag_rse.chunk_index import CHUNK_INDEX_KEY
-from llama_index.packs.self_rag_rse.chunk_sources import ChunkRequest, ChunkSource, nodes_by_id
-from llama_index.packs.self_rag_rse.segments import (
+from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_INDEX_KEY
+from llama_index.packs.self_rag_rse.rse.chunk_sources import ChunkRequest, ChunkSource, nodes_by_id
+from llama_index.packs.self_rag_rse.rse.segments import (
     adjust_for_length,
     chunk_value,
     find_best_segments,
     get_preset,
 )
-from llama_index.packs.self_rag_rse.stitching import stitch_chunks
+from llama_index.packs.self_rag_rse.rse.stitching import stitch_chunks
 
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)

@@ -11,7 +11,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from llama_index.packs.self_rag_rse import SelfRAGPack, SelfRAGQueryEngine
-from llama_index.packs.self_rag_rse.reflection_critic import ReflectionCritic
+from llama_index.packs.self_rag_rse.self_rag.reflection_critic import ReflectionCritic
 
 PARAGRAPHS = [
     ("p-while", "The while statement repeats a suite while an expression is true.", "while"),

@@ -10,8 +10,8 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from llama_index.packs.self_rag_rse.critic import Critic, ParagraphJudgement
-from llama_index.packs.self_rag_rse.reflection import (
+from llama_index.packs.self_rag_rse.self_rag.contract import Critic, ParagraphJudgement
+from llama_index.packs.self_rag_rse.self_rag.reflection import (
     FULLY_SUPPORTED,
     GROUNDING_TOKENS,
     IRRELEVANT,
@@ -24,7 +24,7 @@ from llama_index.packs.self_rag_rse.reflection import (
     RETRIEVAL,
     UTILITY_TOKENS,
 )
-from llama_index.packs.self_rag_rse.reflection_critic import PROMPT_TEMPLATE, ReflectionCritic
+from llama_index.packs.self_rag_rse.self_rag.reflection_critic import PROMPT_TEMPLATE, ReflectionCritic
 
 QUERIES = [
     "What is the capital of France?",

@@ -1,6 +1,6 @@
 """Turn raw relevance scores into absolute relevance in [0, 1] for RSE.
 
-RSE's chunk value (:func:`~llama_index.packs.self_rag_rse.segments.chunk_value`) multiplies a rank
+RSE's chunk value (:func:`~llama_index.packs.self_rag_rse.rse.segments.chunk_value`) multiplies a rank
 decay by the chunk's *absolute* relevance and subtracts a fixed penalty, so the scores must mean
 the same thing from query to query and spread over [0, 1]. Raw scores rarely do:
 

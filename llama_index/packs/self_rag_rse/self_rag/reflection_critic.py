@@ -13,13 +13,13 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from llama_index.packs.self_rag_rse.critic import (
+from llama_index.packs.self_rag_rse.self_rag.contract import (
     ParagraphJudgement,
     RetrievalDecision,
     run_in_thread,
 )
-from llama_index.packs.self_rag_rse.llama_cpp_decoding import BatchedDecoder
-from llama_index.packs.self_rag_rse.reflection import (
+from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder
+from llama_index.packs.self_rag_rse.self_rag.reflection import (
     NO_RETRIEVAL,
     PARAGRAPH_CLOSE,
     PARAGRAPH_OPEN,

@@ -27,8 +27,8 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, QueryType
 
-from llama_index.packs.self_rag_rse.critic import Critic, ParagraphJudgement, RetrievalDecision
-from llama_index.packs.self_rag_rse.llama_cpp_decoding import llama_of
+from llama_index.packs.self_rag_rse.self_rag.contract import Critic, ParagraphJudgement, RetrievalDecision
+from llama_index.packs.self_rag_rse.llamacpp.compat import llama_of
 
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
@@ -449,7 +449,7 @@ def _build_critic(
         llm = _load_gguf(model_path, model_kwargs)
     raw = llama_of(llm)
     if critic in ("auto", "reflection") and raw is not None and generator_llm is None:
-        from llama_index.packs.self_rag_rse.reflection_critic import ReflectionCritic
+        from llama_index.packs.self_rag_rse.self_rag.reflection_critic import ReflectionCritic
 
         try:
             return ReflectionCritic(raw, max_new_tokens=max_new_tokens)
@@ -462,7 +462,7 @@ def _build_critic(
             "critic='reflection' needs a llama.cpp model with Self-RAG reflection tokens "
             "(model_path=, a LlamaCPP or a llama_cpp.Llama); use critic='prompted' for other LLMs"
         )
-    from llama_index.packs.self_rag_rse.prompted_critic import PromptedCritic
+    from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
 
     return PromptedCritic(llm, generator_llm=generator_llm, max_new_tokens=max_new_tokens)
 

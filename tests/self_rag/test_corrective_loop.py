@@ -13,7 +13,7 @@ from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from llama_index.packs.self_rag_rse import ParagraphJudgement, RetrievalDecision, SelfRAGQueryEngine
-from llama_index.packs.self_rag_rse.query_engine import (
+from llama_index.packs.self_rag_rse.self_rag.engine import (
     GROUNDED_INSTRUCTION,
     NO_ANSWER,
     QUERY2DOC_INSTRUCTION,

@@ -51,8 +51,8 @@ from llama_index.core.llms import LLM
 from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
 from llama_index.core.prompts.mixin import PromptDictType, PromptMixin, PromptMixinType
 
-from llama_index.packs.self_rag_rse.critic import ParagraphJudgement, RetrievalDecision
-from llama_index.packs.self_rag_rse.labels import (
+from llama_index.packs.self_rag_rse.self_rag.contract import ParagraphJudgement, RetrievalDecision
+from llama_index.packs.self_rag_rse.self_rag.labels import (
     RELEVANCE_SCALE,
     RETRIEVAL_SCALE,
     SUPPORT_SCALE,
@@ -63,13 +63,13 @@ from llama_index.packs.self_rag_rse.labels import (
     logsumexp,
     parse_reply,
 )
-from llama_index.packs.self_rag_rse.llama_cpp_decoding import llama_of
-from llama_index.packs.self_rag_rse.reflection import sequence_score
+from llama_index.packs.self_rag_rse.llamacpp.compat import llama_of
+from llama_index.packs.self_rag_rse.self_rag.reflection import sequence_score
 
 if TYPE_CHECKING:
     import llama_cpp
 
-    from llama_index.packs.self_rag_rse.llama_cpp_decoding import BatchedDecoder, SequenceOutput
+    from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder, SequenceOutput
 
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
@@ -199,7 +199,7 @@ class _LlamaCppBackend:
         n_ctx: int | None,
         n_threads: int | None,
     ) -> None:
-        from llama_index.packs.self_rag_rse.llama_cpp_decoding import BatchedDecoder
+        from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder
 
         self.llama = llama
         self.max_new_tokens = max_new_tokens

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from llama_index.packs.self_rag_rse.postprocessor import SegmentExtraction
+    from llama_index.packs.self_rag_rse.rse.postprocessor import SegmentExtraction
 
 
 def plot_segments(

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llama_index.packs.self_rag_rse.reflection import MISSING_LOGPROB, UTILITY_WEIGHTS
+from llama_index.packs.self_rag_rse.self_rag.reflection import MISSING_LOGPROB, UTILITY_WEIGHTS
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import NDArray
 
+from llama_index.packs.self_rag_rse.llamacpp import compat
+
 if TYPE_CHECKING:
     import llama_cpp
 
@@ -66,29 +68,6 @@ _INHERITED_PARAMS = (
     "op_offload",
     "swa_full",
 )
-
-
-def _import_llama_cpp() -> Any:
-    try:
-        import llama_cpp
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "llama-cpp-python is required for the reflection critic: "
-            'pip install "llama-index-packs-self-rag-rse[llama-cpp]"'
-        ) from exc
-    return llama_cpp
-
-
-def llama_of(llm: Any) -> llama_cpp.Llama | None:
-    """The ``llama_cpp.Llama`` behind ``llm`` (itself, or a ``LlamaCPP``'s ``_model``), if any."""
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    if isinstance(llm, llama_cpp.Llama):
-        return llm
-    model = getattr(llm, "_model", None)
-    return model if isinstance(model, llama_cpp.Llama) else None
 
 
 @dataclass
@@ -180,19 +159,19 @@ class BatchedDecoder:
         kv_unified: bool | None = None,
         flash_attn: bool | None = None,
     ) -> None:
-        self._llama_cpp = _import_llama_cpp()
+        self._llama_cpp = compat.import_llama_cpp("the batched decoder")
         if n_seq_max < 1:
             raise ValueError(f"n_seq_max must be >= 1, got {n_seq_max}")
         if n_batch < n_seq_max:
             raise ValueError(f"n_batch ({n_batch}) must be >= n_seq_max ({n_seq_max})")
         self._llm = llm
-        self._model = llm._model.model
+        self._model = compat.model_pointer(llm)
         self._vocab = self._llama_cpp.llama_model_get_vocab(self._model)
         self.n_vocab: int = int(llm.n_vocab())
         self.n_seq_max = n_seq_max
         self.n_ctx = int(n_ctx if n_ctx is not None else llm.n_ctx())
         self.n_batch = n_batch
-        base = llm.context_params
+        base = compat.context_params(llm)
         self._n_threads = int(n_threads or base.n_threads)
         self._n_threads_batch = int(n_threads_batch or base.n_threads_batch)
         self._inherited = {name: getattr(base, name) for name in _INHERITED_PARAMS}
@@ -204,7 +183,7 @@ class BatchedDecoder:
         }[flash_attn]
         if kv_unified is None:
             flash = self._flash_attn_type != lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-            offloaded = llm.model_params.n_gpu_layers != 0 and lib.llama_supports_gpu_offload()
+            offloaded = compat.model_params(llm).n_gpu_layers != 0 and lib.llama_supports_gpu_offload()
             kv_unified = bool(flash or offloaded)
         #: The KV-cache layout in use (see ``kv_unified`` above).
         self.kv_unified: bool = kv_unified
@@ -227,9 +206,7 @@ class BatchedDecoder:
             if decoder is not None:
                 decoder.close()
 
-        stack = getattr(llm, "_stack", None)
-        if stack is not None:
-            stack.callback(_close_before_model)
+        compat.on_close(llm, _close_before_model)
 
     # --- public API ----------------------------------------------------------------------------
 

@@ -29,8 +29,8 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms import CustomLLM
 from llama_index.core.prompts import PromptTemplate
 
-from llama_index.packs.self_rag_rse.critic import Critic, ParagraphJudgement
-from llama_index.packs.self_rag_rse.prompted_critic import DEFAULT_RELEVANCE_PROMPT, PromptedCritic
+from llama_index.packs.self_rag_rse.self_rag.contract import Critic, ParagraphJudgement
+from llama_index.packs.self_rag_rse.self_rag.prompted_critic import DEFAULT_RELEVANCE_PROMPT, PromptedCritic
 
 # ================================================================================================
 # The LLM path, on a scripted LlamaIndex LLM

@@ -9,8 +9,8 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from llama_index.packs.self_rag_rse.llama_cpp_decoding import BatchedDecoder, SequenceOutput
-from llama_index.packs.self_rag_rse.reflection import (
+from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder, SequenceOutput
+from llama_index.packs.self_rag_rse.self_rag.reflection import (
     NO_RETRIEVAL,
     PARAGRAPH_CLOSE,
     PARAGRAPH_OPEN,

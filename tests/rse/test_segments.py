@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llama_index.packs.self_rag_rse import segments as segments_module
-from llama_index.packs.self_rag_rse.segments import (
+from llama_index.packs.self_rag_rse.rse.segments import (
     PRESETS,
     RSEPreset,
     adjust_for_length,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llama_index.packs.self_rag_rse.calibration import (
+from llama_index.packs.self_rag_rse.rse.calibration import (
     COHERE_RERANK_BETA,
     VOYAGE_RERANK_BETA,
     BetaParams,

@@ -1,0 +1,1 @@
+"""Helpers shared by both components: options checking, optional imports, the sync/async bridge."""

@@ -1,0 +1,115 @@
+"""Every access to llama-cpp-python beyond its documented API, in one place.
+
+The batched decoder and the llama.cpp critic backend need a few things ``llama_cpp.Llama`` does
+not expose publicly: the native model pointer (to open a second, multi-sequence context on the
+same weights), the exit stack that frees the model (to free our context first and to learn that
+the model was closed), the context and model parameters it was created with, token attributes
+and texts, and whether the GGUF asks for a BOS token. A llama-cpp-python release that renames one
+of these breaks this module only; everything else imports from here.
+
+Tested against llama-cpp-python 0.3.x (0.3.16 and later).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from llama_index.packs.self_rag_rse.common.optional import optional_import
+
+if TYPE_CHECKING:
+    import llama_cpp
+
+#: llama.cpp's LLAMA_TOKEN_ATTR_CONTROL (kept here so callers import without llama_cpp).
+TOKEN_ATTR_CONTROL = 8
+
+#: The message every use of a freed model raises, instead of touching freed memory.
+MODEL_CLOSED_MESSAGE = (
+    "the llama.cpp model was closed (Llama.close() or LlamaCPP._model.close()); "
+    "create the engine (or critic) again with an open model"
+)
+
+
+class ModelClosedError(RuntimeError):
+    """The ``llama_cpp.Llama`` this object was built on has been closed."""
+
+    def __init__(self, message: str = MODEL_CLOSED_MESSAGE) -> None:
+        super().__init__(message)
+
+
+def import_llama_cpp(feature: str = "the llama.cpp backend") -> Any:
+    """``import llama_cpp`` with an install hint."""
+    return optional_import("llama_cpp", feature, "llama-cpp")
+
+
+def llama_of(llm: Any) -> llama_cpp.Llama | None:
+    """The ``llama_cpp.Llama`` behind ``llm`` (itself, or a ``LlamaCPP``'s ``_model``), if any."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    if isinstance(llm, llama_cpp.Llama):
+        return llm
+    model = getattr(llm, "_model", None)
+    return model if isinstance(model, llama_cpp.Llama) else None
+
+
+def _internal_model(llama: llama_cpp.Llama) -> Any:
+    """llama-cpp-python's ``_internals.LlamaModel`` wrapper, or raise if the Llama was closed."""
+    wrapper = getattr(llama, "_model", None)
+    if wrapper is None or getattr(wrapper, "model", None) is None:
+        raise ModelClosedError()
+    return wrapper
+
+
+def is_closed(llama: llama_cpp.Llama) -> bool:
+    """Whether the ``Llama``'s native model has been freed."""
+    try:
+        _internal_model(llama)
+    except ModelClosedError:
+        return True
+    return False
+
+
+def model_pointer(llama: llama_cpp.Llama) -> Any:
+    """The native ``llama_model *`` the ``Llama`` holds."""
+    return _internal_model(llama).model
+
+
+def on_close(llama: llama_cpp.Llama, callback: Callable[[], None]) -> bool:
+    """Run ``callback`` when the ``Llama`` is closed, *before* its model is freed.
+
+    llama-cpp-python frees the model through an exit stack whose callbacks run last-in first-out,
+    so a callback registered after the model was loaded runs first. Returns False when this
+    llama-cpp-python has no such stack (then closing is not observed).
+    """
+    stack = getattr(llama, "_stack", None)
+    if stack is None:
+        return False
+    stack.callback(callback)
+    return True
+
+
+def context_params(llama: llama_cpp.Llama) -> Any:
+    """The ``llama_context_params`` the ``Llama`` created its context with."""
+    return llama.context_params
+
+
+def model_params(llama: llama_cpp.Llama) -> Any:
+    """The ``llama_model_params`` the ``Llama`` loaded its model with."""
+    return llama.model_params
+
+
+def token_text(llama: llama_cpp.Llama, token: int) -> str:
+    """The vocabulary text of ``token`` (control tokens included, e.g. ``<|im_start|>``)."""
+    return str(_internal_model(llama).token_get_text(int(token)))
+
+
+def is_control_token(llama: llama_cpp.Llama, token: int) -> bool:
+    """Whether the GGUF types ``token`` CONTROL (detokenized to "" unless special)."""
+    return bool(_internal_model(llama).token_get_attr(int(token)) & TOKEN_ATTR_CONTROL)
+
+
+def adds_bos(llama: llama_cpp.Llama) -> bool:
+    """Whether prompts for this model start with BOS (the GGUF's ``add_bos_token``)."""
+    return bool(_internal_model(llama).add_bos_token()) and int(llama.token_bos()) >= 0

@@ -1,0 +1,1 @@
+"""Self-RAG for LlamaIndex: reflection scoring, critics and the query engine."""

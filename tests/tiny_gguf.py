@@ -72,7 +72,10 @@ def _tiny_vocab(typing: str) -> tuple[list[str], list[float], list[int]]:
     )
     tokens += pieces
     types += [_NORMAL] * len(pieces)
-    if typing != "none":
+    if typing == "partial":  # a broken Self-RAG vocabulary: the retrieval tokens only
+        tokens += list(SELF_RAG_SPECIAL_TOKENS[:3])
+        types += [_USER_DEFINED] * 3
+    elif typing != "none":
         tokens += list(SELF_RAG_SPECIAL_TOKENS)
         types += [_CONTROL if typing == "control" else _USER_DEFINED] * len(SELF_RAG_SPECIAL_TOKENS)
     # SentencePiece merges the highest-scoring pair first: prefer the two-character pieces.
@@ -99,12 +102,13 @@ def write_tiny_gguf(
     """Write a tiny llama GGUF at ``path`` and return the path.
 
     ``typing`` chooses how the 15 Self-RAG strings are typed: ``"control"``,
-    ``"user_defined"`` or ``"none"`` (a model without them). ``layer_scale`` is the standard
+    ``"user_defined"`` or ``"none"`` (a model without them); ``"partial"`` holds only the three
+    retrieval tokens (a broken Self-RAG vocabulary). ``layer_scale`` is the standard
     deviation of the attention/FFN weights: the larger, the more the context (and not just the
     last token) decides between close alternatives. ``weight_dtype="f16"`` halves the file for
     large shapes (norms stay F32).
     """
-    if typing not in TYPINGS:
+    if typing not in (*TYPINGS, "partial"):
         raise ValueError(f"typing must be one of {TYPINGS}, got {typing!r}")
     gguf = _gguf()
     rng = np.random.default_rng(seed)
@@ -114,7 +118,7 @@ def write_tiny_gguf(
     head_dim = n_embd // n_head
 
     embd = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
-    out = _bigram_output(rng, tokens, types, ids, embd, typing != "none")
+    out = _bigram_output(rng, tokens, types, ids, embd, typing not in ("none", "partial"))
 
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name(f"tiny-self-rag-{typing}")

@@ -1,39 +1,61 @@
-"""Self-RAG query engine and Relevant Segment Extraction for LlamaIndex."""
+"""Self-RAG query engine and Relevant Segment Extraction for LlamaIndex.
 
-from llama_index.packs.self_rag_rse.rse.calibration import (
-    COHERE_RERANK_BETA,
-    VOYAGE_RERANK_BETA,
-    beta_cdf,
-    calibrate_beta,
-    calibrate_minmax,
-)
-from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_INDEX_KEY, ChunkIndexer
-from llama_index.packs.self_rag_rse.self_rag.contract import (
-    Critic,
-    ParagraphJudgement,
-    RetrievalDecision,
-    final_score,
-)
-from llama_index.packs.self_rag_rse.self_rag.labels import LabelScale, parse_reply
-from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder, SequenceOutput
-from llama_index.packs.self_rag_rse.pack import SelfRAGPack
-from llama_index.packs.self_rag_rse.rse.plot import plot_segments
-from llama_index.packs.self_rag_rse.rse.postprocessor import (
-    RelevantSegmentPostprocessor,
-    Segment,
-    SegmentExtraction,
-)
-from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
-from llama_index.packs.self_rag_rse.self_rag.engine import SelfRAGQueryEngine
-from llama_index.packs.self_rag_rse.self_rag.reflection import REFLECTION_TOKENS, score_generation
-from llama_index.packs.self_rag_rse.self_rag.reflection_critic import ReflectionCritic
-from llama_index.packs.self_rag_rse.rse.segments import (
-    PRESETS,
-    RSEPreset,
-    adjust_for_length,
-    chunk_value,
-    find_best_segments,
-    get_preset,
-)
+The public names below are imported on first use, so ``import llama_index.packs.self_rag_rse``
+stays cheap and optional dependencies (llama-cpp-python, matplotlib) load only when a component
+that needs them is used. Internals stay importable from their modules.
+"""
 
-__all__ = ["CHUNK_INDEX_KEY", "COHERE_RERANK_BETA", "PRESETS", "REFLECTION_TOKENS", "VOYAGE_RERANK_BETA", "BatchedDecoder", "ChunkIndexer", "Critic", "LabelScale", "ParagraphJudgement", "PromptedCritic", "RSEPreset", "ReflectionCritic", "RelevantSegmentPostprocessor", "RetrievalDecision", "Segment", "SegmentExtraction", "SelfRAGPack", "SelfRAGQueryEngine", "SequenceOutput", "adjust_for_length", "beta_cdf", "calibrate_beta", "calibrate_minmax", "chunk_value", "final_score", "find_best_segments", "get_preset", "parse_reply", "plot_segments", "score_generation"]  # fmt: skip  # noqa: E501
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llama_index.packs.self_rag_rse.pack import SelfRAGPack
+    from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_INDEX_KEY, ChunkIndexer
+    from llama_index.packs.self_rag_rse.rse.plot import plot_segments
+    from llama_index.packs.self_rag_rse.rse.postprocessor import RelevantSegmentPostprocessor
+    from llama_index.packs.self_rag_rse.rse.segments import PRESETS, find_best_segments, get_preset
+    from llama_index.packs.self_rag_rse.self_rag.backend import CriticBackend
+    from llama_index.packs.self_rag_rse.self_rag.contract import (
+        Critic,
+        ParagraphJudgement,
+        RetrievalDecision,
+    )
+    from llama_index.packs.self_rag_rse.self_rag.engine import SelfRAGQueryEngine
+    from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
+    from llama_index.packs.self_rag_rse.self_rag.reflection_critic import ReflectionCritic
+
+#: Public name -> module that defines it.
+_EXPORTS = {
+    "SelfRAGQueryEngine": "self_rag.engine",
+    "SelfRAGPack": "pack",
+    "RelevantSegmentPostprocessor": "rse.postprocessor",
+    "ChunkIndexer": "rse.chunk_index",
+    "CHUNK_INDEX_KEY": "rse.chunk_index",
+    "Critic": "self_rag.contract",
+    "ParagraphJudgement": "self_rag.contract",
+    "RetrievalDecision": "self_rag.contract",
+    "CriticBackend": "self_rag.backend",
+    "PromptedCritic": "self_rag.prompted_critic",
+    "ReflectionCritic": "self_rag.reflection_critic",
+    "find_best_segments": "rse.segments",
+    "get_preset": "rse.segments",
+    "PRESETS": "rse.segments",
+    "plot_segments": "rse.plot",
+}
+
+__all__ = ["CHUNK_INDEX_KEY", "PRESETS", "ChunkIndexer", "Critic", "CriticBackend", "ParagraphJudgement", "PromptedCritic", "ReflectionCritic", "RelevantSegmentPostprocessor", "RetrievalDecision", "SelfRAGPack", "SelfRAGQueryEngine", "find_best_segments", "get_preset", "plot_segments"]  # fmt: skip  # noqa: E501
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -25,5 +25,5 @@ def optional_import(module: str, feature: str, extra: str | None = None) -> Modu
     except ImportError as error:
         name = extra or EXTRAS.get(module) or EXTRAS.get(module.split(".")[0], "all")
         raise ImportError(
-            f"{feature} needs {module.split('.')[0]}: pip install \"{PACKAGE}[{name}]\""
+            f'{feature} needs {module.split(".")[0]}: pip install "{PACKAGE}[{name}]"'
         ) from error

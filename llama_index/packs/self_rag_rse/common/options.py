@@ -13,7 +13,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 
-def reject_unknown(owner: str, given: Mapping[str, Any] | Iterable[str], valid: Iterable[str]) -> None:
+def reject_unknown(
+    owner: str, given: Mapping[str, Any] | Iterable[str], valid: Iterable[str]
+) -> None:
     """Raise ``TypeError`` naming each unknown option of ``owner`` and the closest valid one.
 
     ``given`` is the keyword arguments received (or their names); ``valid`` every name that

@@ -9,7 +9,6 @@ which one it drives. Nothing here imports LlamaIndex.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -93,26 +92,44 @@ def final_score(
 
 @runtime_checkable
 class Critic(Protocol):
-    """What the engine needs from a critic backend; one class per backend."""
+    """What the engine needs from a critic; one class per way of judging.
+
+    The async methods are the primary ones; the sync ones block on them. ``close`` frees what
+    the critic holds (a llama.cpp context, a worker thread), never a model it was given.
+    :class:`~.base_critic.BaseCritic` implements the sync half and ``close`` for subclasses.
+    """
 
     #: Short name shown in traces: ``"reflection"`` or ``"prompted"``.
     name: str
 
-    def decide_retrieval(
+    async def adecide_retrieval(
         self, query: str, threshold: float | None, answer_if_skipped: bool = True
     ) -> RetrievalDecision:
         """Decide whether ``query`` needs evidence (``threshold=None``: greedy decides)."""
         ...
 
-    def judge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
+    async def ajudge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
         """Answer ``query`` from each paragraph and score each answer, in input order."""
         ...
 
-    def generate(self, query: str) -> str:
+    async def agenerate(self, query: str) -> str:
         """Answer ``query`` with no evidence."""
         ...
 
+    def decide_retrieval(
+        self, query: str, threshold: float | None, answer_if_skipped: bool = True
+    ) -> RetrievalDecision:
+        """Blocking :meth:`adecide_retrieval`."""
+        ...
 
-async def run_in_thread(func, /, *args, **kwargs):  # type: ignore[no-untyped-def]
-    """Run blocking critic work off the event loop (llama.cpp releases the GIL while decoding)."""
-    return await asyncio.to_thread(func, *args, **kwargs)
+    def judge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
+        """Blocking :meth:`ajudge`."""
+        ...
+
+    def generate(self, query: str) -> str:
+        """Blocking :meth:`agenerate`."""
+        ...
+
+    def close(self) -> None:
+        """Free what the critic holds; the models it was given stay open."""
+        ...

@@ -6,16 +6,17 @@ IsSUP, IsUSE, optional sequence score), and return the best paragraph's answer w
 nodes as sources, best first. The optional corrective loop re-retrieves with a pseudo-document
 or a rewritten query when nothing relevant came back, and regenerates unsupported answers.
 
-The control flow is written once, as a generator of steps; a sync and an async driver execute
-the steps, so ``query`` and ``aquery`` cannot drift apart.
+The engine takes built parts (a retriever and a :class:`~.contract.Critic`); the upstream
+constructor ``SelfRAGQueryEngine(model_path, retriever)`` and :meth:`SelfRAGQueryEngine.from_args`
+build the critic through :mod:`.factory`. The control flow is written once, as a generator of
+steps that the package's sync/async bridge drives, so ``query`` and ``aquery`` cannot drift
+apart.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from collections.abc import Generator
 from typing import Any, Literal
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -24,63 +25,85 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.events.query import QueryEndEvent, QueryStartEvent
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.prompts import BasePromptTemplate
+from llama_index.core.prompts.mixin import PromptDictType, PromptMixin, PromptMixinType
 from llama_index.core.query_engine import CustomQueryEngine
-from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, QueryType
+from llama_index.core.schema import NodeWithScore, QueryType
 
-from llama_index.packs.self_rag_rse.self_rag.contract import Critic, ParagraphJudgement, RetrievalDecision
-from llama_index.packs.self_rag_rse.llamacpp.compat import llama_of
+from llama_index.packs.self_rag_rse.common.bridge import adrive, drive
+from llama_index.packs.self_rag_rse.common.options import (
+    pydantic_fields,
+    reject_unknown,
+    require_finite,
+)
+from llama_index.packs.self_rag_rse.self_rag.contract import (
+    Critic,
+    ParagraphJudgement,
+    RetrievalDecision,
+)
+from llama_index.packs.self_rag_rse.self_rag.factory import build_critic
+from llama_index.packs.self_rag_rse.self_rag.prompts import (  # noqa: F401 - legacy names
+    ENGINE_PROMPT_VARIABLES,
+    ENGINE_PROMPTS,
+    GROUNDED_INSTRUCTION,
+    QUERY2DOC_INSTRUCTION,
+    REWRITE_INSTRUCTION,
+    as_template,
+)
+from llama_index.packs.self_rag_rse.self_rag.steps import (
+    Retrieved,
+    Step,
+    aretrieve,
+    best_candidate,
+    check_query,
+    no_nodes_reason,
+    node_text,
+    retrieve,
+)
+from llama_index.packs.self_rag_rse.self_rag.trace import Candidate, paragraph_meta, print_table
 
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
 
 Mode = Literal["adaptive_retrieval", "always_retrieve", "no_retrieval"]
 
-#: Model settings used when the engine loads a GGUF itself (``model_path``). Unlike the
-#: upstream pack there is no ``logits_all``: the critic reads only the logits it needs.
-DEFAULT_MODEL_KWARGS: dict[str, Any] = {"n_ctx": 2048, "n_gpu_layers": -1, "verbose": False}
-
-QUERY2DOC_INSTRUCTION = (
-    "Write a short encyclopedia-style passage that answers the question below. "
-    "Answer with the passage only.\n\nQuestion: {query}"
-)
-REWRITE_INSTRUCTION = (
-    "Rewrite the question below as a short search query that names its key terms. "
-    "Answer with the query only.\n\nQuestion: {query}"
-)
-GROUNDED_INSTRUCTION = "{query}\n\nAnswer using only facts stated in the paragraph."
 #: The response when neither any paragraph nor the model alone produced text.
 NO_ANSWER = "No answer could be generated for this question."
-
-
-@dataclass
-class _Step:
-    """One unit of work the drivers execute: ``kind`` is decide, retrieve, judge or generate."""
-
-    kind: str
-    text: str
-    paragraphs: Sequence[str] = ()
-
-
-@dataclass
-class _Candidate:
-    node: NodeWithScore
-    judgement: ParagraphJudgement
-    score: float
+#: Metadata keys tried, in order, for a paragraph's title line.
+DEFAULT_TITLE_KEYS = ("title", "document_title")
+#: Keyword arguments of the upstream constructor that are not pydantic fields.
+_CONSTRUCTOR_ARGS = (
+    "model_path",
+    "retriever",
+    "verbose",
+    "model_kwargs",
+    "generate_kwargs",
+    "llm",
+    "critic",
+    "generator_llm",
+)
 
 
 class SelfRAGQueryEngine(CustomQueryEngine):
     """Self-RAG query engine: adaptive retrieval, per-paragraph answers, reflection scoring.
 
     Drop-in for ``llama-index-packs-self-rag``: ``SelfRAGQueryEngine(model_path, retriever)``
-    loads a Self-RAG GGUF with llama.cpp. Pass ``llm=`` instead to reuse a loaded model: a
-    ``LlamaCPP`` or ``llama_cpp.Llama`` (reflection tokens read from its logits when its
-    vocabulary has them) or any LlamaIndex LLM (judged with prompts). ``critic`` forces one:
-    ``"reflection"``, ``"prompted"`` or a :class:`~.critic.Critic` instance. With the prompted
-    critic, ``generator_llm`` may write the answers while ``llm`` judges them.
+    loads a Self-RAG GGUF with llama.cpp (and closes it in :meth:`close`). Pass ``llm=`` instead
+    to reuse a loaded model: a ``LlamaCPP`` or ``llama_cpp.Llama`` (reflection tokens read from
+    its logits when its vocabulary has them) or any LlamaIndex LLM (judged with prompts).
+    ``critic`` forces one: ``"reflection"``, ``"prompted"`` or a built
+    :class:`~.contract.Critic` (the engine then uses it as given and does not close it). With the
+    prompted critic, ``generator_llm`` may write the answers while ``llm`` judges them.
 
     The final score of a paragraph's answer is ``[seq_score] + w_rel·IsREL + w_sup·IsSUP +
-    w_use·IsUSE``; the best one is the response. See the README for where we differ from the
-    upstream pack (probability gate, first grounding/utility position, original source nodes).
+    w_use·IsUSE``; the best one is the response. Unknown options raise ``TypeError``. See the
+    README for where we differ from the upstream pack (probability gate, first grounding/utility
+    position, original source nodes).
+
+    Example::
+
+        engine = SelfRAGQueryEngine.from_args(index.as_retriever(), llm=LlamaCPP(model_path=...))
+        print(engine.query("How do descriptors work?"))
     """
 
     retriever: Any = Field(description="Any LlamaIndex retriever.")
@@ -123,9 +146,19 @@ class SelfRAGQueryEngine(CustomQueryEngine):
     )
     max_retrieval_rounds: int = Field(default=3, description="Retrievals per query, all told.")
     max_regenerations: int = Field(default=1, description="Regenerations of the chosen answer.")
+    title_key: str | list[str] | None = Field(
+        default=list(DEFAULT_TITLE_KEYS),
+        description=(
+            "Node metadata key(s) whose value becomes the paragraph's first line (the first "
+            "non-empty one wins); None: no title line."
+        ),
+    )
     verbose: bool = Field(default=False, description="Print a per-paragraph table and the trace.")
 
     _critic: Any = PrivateAttr(default=None)
+    _owns_critic: bool = PrivateAttr(default=False)
+    _owned_model: Any = PrivateAttr(default=None)
+    _prompts: dict[str, BasePromptTemplate] = PrivateAttr(default_factory=dict)
 
     def __init__(
         self,
@@ -140,6 +173,9 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         generator_llm: Any = None,
         **options: Any,
     ) -> None:
+        reject_unknown(
+            "SelfRAGQueryEngine", options, pydantic_fields(type(self)) | set(_CONSTRUCTOR_ARGS)
+        )
         if retriever is None:
             raise ValueError(
                 "SelfRAGQueryEngine needs a retriever: pass retriever=index.as_retriever()"
@@ -153,6 +189,60 @@ class SelfRAGQueryEngine(CustomQueryEngine):
                 generate_kwargs["temperature"],
             )
         super().__init__(retriever=retriever, verbose=verbose, **options)  # type: ignore[call-arg]
+        self._validate()
+        built = build_critic(
+            critic,
+            llm=llm,
+            model_path=model_path,
+            model_kwargs=model_kwargs,
+            generator_llm=generator_llm,
+            max_new_tokens=self.max_new_tokens,
+        )
+        self._critic = built.critic
+        self._owns_critic = isinstance(critic, str)
+        self._owned_model = built.loaded_model
+        self._prompts = dict(ENGINE_PROMPTS)
+        logger.info("Self-RAG critic: %s", self._critic.name)
+        if self.verbose:
+            print(f"Self-RAG critic: {self._critic.name}")
+
+    @classmethod
+    def from_args(
+        cls,
+        retriever: BaseRetriever,
+        llm: Any = None,
+        *,
+        model_path: str | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+        critic: str | Critic = "auto",
+        generator_llm: Any = None,
+        **options: Any,
+    ) -> SelfRAGQueryEngine:
+        """Build the engine from a retriever and a model (``llm=`` or ``model_path=``).
+
+        ``options`` are the engine's fields (``threshold``, ``w_rel``, ``corrective``, ...).
+        """
+        return cls(
+            model_path,
+            retriever,
+            model_kwargs=model_kwargs,
+            llm=llm,
+            critic=critic,
+            generator_llm=generator_llm,
+            **options,
+        )
+
+    def _validate(self) -> None:
+        require_finite(
+            "SelfRAGQueryEngine",
+            w_rel=self.w_rel,
+            w_sup=self.w_sup,
+            w_use=self.w_use,
+            threshold=self.threshold,
+            rewrite_threshold=self.rewrite_threshold,
+            support_threshold=self.support_threshold,
+            utility_threshold=self.utility_threshold,
+        )
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if self.ndocs is not None and self.ndocs < 1:
@@ -163,17 +253,6 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             raise ValueError(
                 f"threshold is a probability in [0, 1] (or None), got {self.threshold}"
             )
-        self._critic = _build_critic(
-            critic,
-            llm,
-            model_path,
-            model_kwargs,
-            max_new_tokens=self.max_new_tokens,
-            generator_llm=generator_llm,
-        )
-        logger.info("Self-RAG critic: %s", self._critic.name)
-        if self.verbose:
-            print(f"Self-RAG critic: {self._critic.name}")
 
     @classmethod
     def class_name(cls) -> str:
@@ -182,13 +261,48 @@ class SelfRAGQueryEngine(CustomQueryEngine):
 
     @property
     def critic(self) -> Critic:
-        """The critic backend in use (``critic.name`` says which)."""
+        """The critic in use (``critic.name`` says which)."""
         return self._critic
+
+    def close(self) -> None:
+        """Free the critic the engine built and the model it loaded (``model_path=``).
+
+        A critic or model the caller passed in stays open: whoever created it closes it.
+        """
+        if self._owns_critic and self._critic is not None:
+            self._critic.close()
+        if self._owned_model is not None:
+            self._owned_model.close()
+            self._owned_model = None
+
+    def __enter__(self) -> SelfRAGQueryEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- prompts ------------------------------------------------------------------------------
+    def _get_prompts(self) -> PromptDictType:
+        """The corrective loop's templates (the critic's are under ``critic:``)."""
+        return dict(self._prompts)
+
+    def _get_prompt_modules(self) -> PromptMixinType:
+        """The critic, when it has prompts."""
+        return {"critic": self._critic} if isinstance(self._critic, PromptMixin) else {}
+
+    def _update_prompts(self, prompts_dict: PromptDictType) -> None:
+        for key, prompt in prompts_dict.items():
+            if key in self._prompts:
+                self._prompts[key] = as_template(prompt, key, ENGINE_PROMPT_VARIABLES)
+
+    def _prompt(self, key: str, query: str) -> str:
+        return self._prompts[key].format(query_str=query)
 
     # -- LlamaIndex entry points (with the events CustomQueryEngine does not emit) ------------
     @dispatcher.span
     def query(self, str_or_query_bundle: QueryType) -> RESPONSE_TYPE:
         """Answer a query."""
+        check_query(str_or_query_bundle)
         dispatcher.event(QueryStartEvent(query=str_or_query_bundle))
         response = super().query(str_or_query_bundle)
         dispatcher.event(QueryEndEvent(query=str_or_query_bundle, response=response))
@@ -197,6 +311,7 @@ class SelfRAGQueryEngine(CustomQueryEngine):
     @dispatcher.span
     async def aquery(self, str_or_query_bundle: QueryType) -> RESPONSE_TYPE:
         """Answer a query without blocking the event loop."""
+        check_query(str_or_query_bundle)
         dispatcher.event(QueryStartEvent(query=str_or_query_bundle))
         response = await super().aquery(str_or_query_bundle)
         dispatcher.event(QueryEndEvent(query=str_or_query_bundle, response=response))
@@ -204,59 +319,34 @@ class SelfRAGQueryEngine(CustomQueryEngine):
 
     def custom_query(self, query_str: str) -> Response:
         """Run Self-RAG for one query (blocking)."""
-        flow = self._flow(query_str)
-        try:
-            step = next(flow)
-            while True:
-                step = flow.send(self._run(step))
-        except StopIteration as done:
-            return done.value
+        return drive(self._flow(query_str), self._run)
 
     async def acustom_query(self, query_str: str) -> Response:
-        """Run Self-RAG for one query; blocking model work runs in a worker thread."""
-        flow = self._flow(query_str)
-        try:
-            step = next(flow)
-            while True:
-                step = flow.send(await self._arun(step))
-        except StopIteration as done:
-            return done.value
+        """Run Self-RAG for one query; model work runs off the event loop."""
+        return await adrive(self._flow(query_str), self._arun)
 
     # -- drivers ----------------------------------------------------------------------------
-    def _run(self, step: _Step) -> Any:
+    def _run(self, step: Step) -> Any:
         if step.kind == "decide":
             return self._critic.decide_retrieval(step.text, self.threshold)
         if step.kind == "retrieve":
-            bundle = QueryBundle(step.text)
-            nodes = self.retriever.retrieve(bundle)
-            for post in self.node_postprocessors:
-                nodes = post.postprocess_nodes(nodes, query_bundle=bundle)
-            return nodes
+            return retrieve(self.retriever, self.node_postprocessors, step.text)
         if step.kind == "judge":
             return self._critic.judge(step.text, list(step.paragraphs))
         return self._critic.generate(step.text)
 
-    async def _arun(self, step: _Step) -> Any:
+    async def _arun(self, step: Step) -> Any:
+        if step.kind == "decide":
+            return await self._critic.adecide_retrieval(step.text, self.threshold)
         if step.kind == "retrieve":
-            bundle = QueryBundle(step.text)
-            nodes = await self.retriever.aretrieve(bundle)
-            for post in self.node_postprocessors:
-                nodes = await post.apostprocess_nodes(nodes, query_bundle=bundle)
-            return nodes
-        native = {"decide": "adecide_retrieval", "judge": "ajudge", "generate": "agenerate"}
-        method = getattr(self._critic, native[step.kind], None)
-        if method is not None:
-            if step.kind == "decide":
-                return await method(step.text, self.threshold)
-            if step.kind == "judge":
-                return await method(step.text, list(step.paragraphs))
-            return await method(step.text)
-        return await asyncio.to_thread(self._run, step)
+            return await aretrieve(self.retriever, self.node_postprocessors, step.text)
+        if step.kind == "judge":
+            return await self._critic.ajudge(step.text, list(step.paragraphs))
+        return await self._critic.agenerate(step.text)
 
     # -- the algorithm ----------------------------------------------------------------------
-    def _flow(self, query: str) -> Generator[_Step, Any, Response]:
-        if not isinstance(query, str) or not query.strip():
-            raise ValueError("query is empty: pass a non-empty question")
+    def _flow(self, query: str) -> Generator[Step, Any, Response]:
+        check_query(query)
         trace: list[dict[str, Any]] = []
         meta: dict[str, Any] = {
             "critic": self._critic.name,
@@ -267,11 +357,11 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             "trace": trace,
         }
         if self.mode == "no_retrieval":
-            answer = yield _Step("generate", query)
+            answer = yield Step("generate", query)
             trace.append({"step": "generate", "reason": "mode=no_retrieval"})
             return self._respond(answer, [], meta)
         if self.mode == "adaptive_retrieval":
-            decision: RetrievalDecision = yield _Step("decide", query)
+            decision: RetrievalDecision = yield Step("decide", query)
             meta["retrieve_prob"] = decision.probability
             trace.append(
                 {
@@ -283,31 +373,51 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             if not decision.retrieve:
                 answer = decision.answer
                 if answer is None:
-                    answer = yield _Step("generate", query)
+                    answer = yield Step("generate", query)
                 return self._respond(answer, [], meta)
 
-        candidates: list[_Candidate] = []
+        candidates: list[Candidate] = []
         seen: set[str] = set()
         rounds = 0
         search_query = query
         used_query2doc = False
         while True:
             rounds += 1
-            nodes: list[NodeWithScore] = yield _Step("retrieve", search_query)
-            fresh = [n for n in nodes if n.node.node_id not in seen]
+            retrieved: Retrieved = yield Step("retrieve", search_query)
+            fresh = [n for n in retrieved.nodes if n.node.node_id not in seen]
             if self.ndocs is not None:
                 fresh = fresh[: self.ndocs]
-            trace.append(
-                {"step": "retrieve", "round": rounds, "query": search_query, "nodes": len(fresh)}
-            )
+            entry: dict[str, Any] = {
+                "step": "retrieve",
+                "round": rounds,
+                "query": search_query,
+                "nodes": len(fresh),
+            }
+            if retrieved.dropped_by is not None:
+                entry["retrieved"] = retrieved.retrieved
+                entry["dropped_by"] = retrieved.dropped_by
+                entry["reason"] = retrieved.note
+            trace.append(entry)
+            empty = [n for n in fresh if not node_text(n).strip()]
+            if empty:
+                # Nothing to judge or to answer from: skip, and say so.
+                trace.append(
+                    {
+                        "step": "skip_empty",
+                        "node_ids": [n.node.node_id for n in empty],
+                        "reason": "paragraph has no text",
+                    }
+                )
+                seen.update(n.node.node_id for n in empty)
+                fresh = [n for n in fresh if n not in empty]
             if fresh:
-                judgements = yield _Step("judge", query, [_paragraph(n) for n in fresh])
+                judgements = yield Step("judge", query, [self._paragraph(n) for n in fresh])
                 for node, judgement in zip(fresh, judgements, strict=True):
                     seen.add(node.node.node_id)
-                    candidates.append(_Candidate(node, judgement, self._score(judgement)))
+                    candidates.append(Candidate(node, judgement, self._score(judgement)))
             if not self.corrective or rounds >= self.max_retrieval_rounds:
                 break
-            best = _best(self._relevant(candidates))
+            best = best_candidate(self._relevant(candidates))
             if best is None:
                 reason = "no relevant paragraph"
             elif best.judgement.utility < self.utility_threshold:
@@ -316,10 +426,10 @@ class SelfRAGQueryEngine(CustomQueryEngine):
                 break
             if not used_query2doc and reason == "no relevant paragraph":
                 used_query2doc = True
-                search_query = yield _Step("generate", QUERY2DOC_INSTRUCTION.format(query=query))
+                search_query = yield Step("generate", self._prompt("query2doc_prompt", query))
                 trace.append({"step": "query2doc", "reason": reason, "query": search_query})
             else:
-                search_query = yield _Step("generate", REWRITE_INSTRUCTION.format(query=query))
+                search_query = yield Step("generate", self._prompt("rewrite_prompt", query))
                 trace.append({"step": "rewrite", "reason": reason, "query": search_query})
             if not search_query.strip():
                 search_query = query
@@ -330,26 +440,26 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             relevant = self._relevant(candidates)
             if candidates and not relevant:
                 trace.append({"step": "fallback", "reason": "no relevant paragraph in any round"})
-                answer = yield _Step("generate", query)
+                answer = yield Step("generate", query)
                 meta["retrieve"] = True
-                meta["paragraphs"] = [_paragraph_meta(c) for c in candidates]
+                meta["paragraphs"] = [paragraph_meta(c) for c in candidates]
                 return self._respond(answer, candidates, meta, best=None)
             chosen = yield from self._ensure_support(query, relevant, trace)
         else:
-            chosen = _best(candidates)
+            chosen = best_candidate(candidates)
 
         meta["retrieve"] = bool(candidates)
-        meta["paragraphs"] = [_paragraph_meta(c) for c in candidates]
+        meta["paragraphs"] = [paragraph_meta(c) for c in candidates]
         if chosen is None or not chosen.judgement.answer.strip():
-            reason = "retriever returned no nodes" if not candidates else "no usable answer"
+            reason = "no usable answer" if candidates else no_nodes_reason(trace)
             trace.append({"step": "fallback", "reason": reason})
-            answer = yield _Step("generate", query)
+            answer = yield Step("generate", query)
             return self._respond(answer, candidates, meta, best=None)
         return self._respond(chosen.judgement.answer, candidates, meta, best=chosen)
 
     def _ensure_support(
-        self, query: str, candidates: list[_Candidate], trace: list[dict[str, Any]]
-    ) -> Generator[_Step, Any, _Candidate | None]:
+        self, query: str, candidates: list[Candidate], trace: list[dict[str, Any]]
+    ) -> Generator[Step, Any, Candidate | None]:
         """Regenerate an unsupported answer, then fall back to the next-best supported one."""
         ranked = sorted(
             (c for c in candidates if c.judgement.error is None and c.judgement.answer.strip()),
@@ -359,8 +469,8 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             return ranked[0] if ranked else None
         best = ranked[0]
         for attempt in range(1, self.max_regenerations + 1):
-            grounded = GROUNDED_INSTRUCTION.format(query=query)
-            (redo,) = yield _Step("judge", grounded, [_paragraph(best.node)])
+            grounded = self._prompt("grounded_prompt", query)
+            (redo,) = yield Step("judge", grounded, [self._paragraph(best.node)])
             trace.append(
                 {
                     "step": "regenerate",
@@ -384,7 +494,7 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         trace.append({"step": "keep_best", "reason": "no paragraph supports its answer"})
         return best
 
-    def _relevant(self, candidates: list[_Candidate]) -> list[_Candidate]:
+    def _relevant(self, candidates: list[Candidate]) -> list[Candidate]:
         """Paragraphs the corrective loop may answer from: relevance at the bar, no error."""
         return [
             c
@@ -400,9 +510,9 @@ class SelfRAGQueryEngine(CustomQueryEngine):
     def _respond(
         self,
         answer: str,
-        candidates: list[_Candidate],
+        candidates: list[Candidate],
         meta: dict[str, Any],
-        best: _Candidate | None = None,
+        best: Candidate | None = None,
     ) -> Response:
         answer = answer.strip()
         if not answer:
@@ -412,7 +522,7 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         if best is not None:
             meta["best"] = next(i for i, c in enumerate(candidates) if c is best)
         if self.verbose:
-            _print_table(candidates, meta)
+            print_table(candidates, meta)
         # Best first: the chosen paragraph, then the rest by score (an empty answer can outscore
         # the chosen one but cannot be the response).
         ranked = sorted(candidates, key=lambda c: (c is not best, -c.score))
@@ -422,110 +532,13 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         ]
         return Response(response=answer, source_nodes=sources, metadata={"self_rag": meta})
 
-
-def _build_critic(
-    critic: str | Critic,
-    llm: Any,
-    model_path: str | None,
-    model_kwargs: dict[str, Any] | None,
-    *,
-    max_new_tokens: int,
-    generator_llm: Any = None,
-) -> Critic:
-    if not isinstance(critic, str):
-        return critic
-    if critic not in ("auto", "reflection", "prompted"):
-        raise ValueError(
-            f"critic must be 'auto', 'reflection', 'prompted' or a Critic, got {critic!r}"
-        )
-    if llm is None and model_path is None:
-        raise ValueError(
-            "pass model_path= (a Self-RAG GGUF) or llm= (a LlamaCPP, llama_cpp.Llama or any "
-            "LlamaIndex LLM)"
-        )
-    if llm is not None and model_path is not None:
-        raise ValueError("pass model_path= or llm=, not both")
-    if model_path is not None:
-        llm = _load_gguf(model_path, model_kwargs)
-    raw = llama_of(llm)
-    if critic in ("auto", "reflection") and raw is not None and generator_llm is None:
-        from llama_index.packs.self_rag_rse.self_rag.reflection_critic import ReflectionCritic
-
-        try:
-            return ReflectionCritic(raw, max_new_tokens=max_new_tokens)
-        except ValueError:
-            if critic == "reflection":
-                raise
-            logger.info("model has no reflection tokens: using the prompted critic")
-    elif critic == "reflection":
-        raise ValueError(
-            "critic='reflection' needs a llama.cpp model with Self-RAG reflection tokens "
-            "(model_path=, a LlamaCPP or a llama_cpp.Llama); use critic='prompted' for other LLMs"
-        )
-    from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
-
-    return PromptedCritic(llm, generator_llm=generator_llm, max_new_tokens=max_new_tokens)
-
-
-def _load_gguf(model_path: str, model_kwargs: dict[str, Any] | None) -> Any:
-    try:
-        import llama_cpp
-    except ImportError as error:
-        raise ImportError(
-            "model_path needs llama-cpp-python: "
-            'pip install "llama-index-packs-self-rag-rse[llama-cpp]"'
-        ) from error
-    kwargs = {**DEFAULT_MODEL_KWARGS, **(model_kwargs or {})}
-    return llama_cpp.Llama(model_path=str(model_path), **kwargs)
-
-
-def _paragraph(item: NodeWithScore) -> str:
-    text = item.node.get_content(metadata_mode=MetadataMode.NONE)
-    title = item.node.metadata.get("title")
-    return f"{title}\n{text}" if title else text
-
-
-def _best(candidates: list[_Candidate]) -> _Candidate | None:
-    """Highest-scoring paragraph with an answer (an empty answer cannot be the response)."""
-    usable = [c for c in candidates if c.judgement.error is None and c.judgement.answer.strip()]
-    return max(usable, key=lambda c: c.score) if usable else None
-
-
-def _paragraph_meta(c: _Candidate) -> dict[str, Any]:
-    j = c.judgement
-    row: dict[str, Any] = {
-        "node_id": c.node.node.node_id,
-        "answer": j.answer,
-        "relevance": j.relevance,
-        "support": j.support,
-        "utility": j.utility,
-        "seq_score": j.seq_score,
-        "score": c.score if j.error is None else None,
-    }
-    if j.error is not None:
-        row["error"] = j.error
-    return row
-
-
-def _print_table(candidates: list[_Candidate], meta: dict[str, Any]) -> None:
-    prob = meta["retrieve_prob"]
-    print(
-        f"Self-RAG [{meta['critic']}] retrieve={meta['retrieve']}"
-        + (f" p={prob:.3f}" if prob is not None else "")
-    )
-    if candidates:
-        print(
-            f"  {'#':>2} {'node':<10} {'rel':>5} {'sup':>5} {'use':>5} {'seq':>5} "
-            f"{'score':>6}  answer"
-        )
-    for i, c in enumerate(candidates):
-        j = c.judgement
-        seq = f"{j.seq_score:.2f}" if j.seq_score is not None else "  -"
-        mark = "*" if meta["best"] == i else " "
-        answer = (j.error or j.answer).replace("\n", " ")[:60]
-        print(
-            f"{mark}{i:>2} {c.node.node.node_id[:10]:<10} {j.relevance:5.2f} {j.support:5.2f} "
-            f"{j.utility:+5.2f} {seq:>5} {c.score:6.2f}  {answer}"
-        )
-    for entry in meta["trace"]:
-        print("  trace:", entry)
+    # -- helpers ------------------------------------------------------------------------------
+    def _paragraph(self, item: NodeWithScore) -> str:
+        """The paragraph the critic reads: an optional title line, then the node's text."""
+        text = node_text(item)
+        keys = [self.title_key] if isinstance(self.title_key, str) else (self.title_key or [])
+        for key in keys:
+            title = item.node.metadata.get(key)
+            if title is not None and str(title).strip():
+                return f"{str(title).strip()}\n{text}"
+        return text

@@ -13,12 +13,11 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from llama_index.packs.self_rag_rse.self_rag.contract import (
-    ParagraphJudgement,
-    RetrievalDecision,
-    run_in_thread,
-)
+from llama_index.packs.self_rag_rse.common.bridge import SerialWorker
+from llama_index.packs.self_rag_rse.llamacpp import compat
 from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder
+from llama_index.packs.self_rag_rse.self_rag.base_critic import BaseCritic
+from llama_index.packs.self_rag_rse.self_rag.contract import ParagraphJudgement, RetrievalDecision
 from llama_index.packs.self_rag_rse.self_rag.reflection import (
     NO_RETRIEVAL,
     PARAGRAPH_CLOSE,
@@ -39,8 +38,21 @@ logger = logging.getLogger(__name__)
 PROMPT_TEMPLATE = "### Instruction:\n{query}\n\n### Response:\n"
 
 
-class ReflectionCritic:
-    """:class:`~.critic.Critic` for Self-RAG GGUFs (reflection tokens in the vocabulary).
+class MissingReflectionTokens(ValueError):
+    """The model's vocabulary lacks some (or all) Self-RAG special tokens."""
+
+    def __init__(self, missing: Sequence[str], found: Sequence[str]) -> None:
+        self.missing = list(missing)
+        self.found = list(found)
+        if not found:
+            what = f"{RETRIEVAL} token (nor any of the {len(missing)} Self-RAG special tokens)"
+        else:
+            what = f"{', '.join(missing)} token{'s' if len(missing) > 1 else ''}"
+        super().__init__(f"model has no {what}: pass a Self-RAG GGUF or use critic='prompted'")
+
+
+class ReflectionCritic(BaseCritic):
+    """:class:`~.contract.Critic` for Self-RAG GGUFs (reflection tokens in the vocabulary).
 
     Args:
         llm: a ``llama_cpp.Llama`` holding a Self-RAG model (e.g. ``selfrag_llama2_7b``). Its
@@ -59,7 +71,10 @@ class ReflectionCritic:
             paragraph on CPU otherwise).
 
     Raises:
-        ValueError: when the model's vocabulary lacks a reflection token (not a Self-RAG model).
+        MissingReflectionTokens: (a ``ValueError``) when the model's vocabulary lacks a reflection
+            token (not a Self-RAG model).
+
+    Decoding runs on one worker thread, in order; the blocking methods wait for it.
     """
 
     name = "reflection"
@@ -77,6 +92,8 @@ class ReflectionCritic:
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if compat.is_closed(llm):
+            raise compat.ModelClosedError()
         self.llm = llm
         self.max_new_tokens = max_new_tokens
         #: Id of every Self-RAG special string (13 reflection tokens + 2 paragraph markers).
@@ -92,10 +109,11 @@ class ReflectionCritic:
             kv_unified=kv_unified,
             flash_attn=flash_attn,
         )
+        self._worker = SerialWorker("self-rag-critic")
 
     # --- Critic protocol -----------------------------------------------------------------------
 
-    def decide_retrieval(
+    def _decide_retrieval(
         self, query: str, threshold: float | None, answer_if_skipped: bool = True
     ) -> RetrievalDecision:
         """Self-RAG's adaptive-retrieval gate, from one evaluation of the prompt.
@@ -104,9 +122,10 @@ class ReflectionCritic:
         at the first position exceeds it (0.0 retrieves always, 1.0 never); otherwise, if
         ``answer_if_skipped``, the answer is generated after ``[No Retrieval]`` from the same KV
         cache. With ``threshold=None`` the model decides greedily: retrieve when it generates
-        ``[Retrieval]`` (generation stops there); when it does not, its greedy output is the
-        answer.
+        ``[Retrieval]`` (generation stops there); when it does not, the answer is generated
+        after ``[No Retrieval]``, as in threshold mode and the official code.
         """
+        self.decoder.check_open()
         prompt = self._prompt(query)
         retrieval_id = self.token_ids[RETRIEVAL]
         with self.decoder.session(prompt) as session:
@@ -116,22 +135,19 @@ class ReflectionCritic:
                 )
                 probability = retrieval_probability(out.tracked_logprobs)
                 retrieve = retrieval_id in out.tokens
-                answer = None if retrieve else self._answer_text(out.tokens)
             else:
                 probability = retrieval_probability(session.logprobs(self._reflection_ids))
                 retrieve = probability > threshold
-                answer = None
-                if not retrieve and answer_if_skipped:
-                    out = session.generate(
-                        self.max_new_tokens, forced=[self.token_ids[NO_RETRIEVAL]]
-                    )
-                    answer = self._answer_text(out.tokens)
+            answer = None
+            if not retrieve and answer_if_skipped:
+                out = session.generate(self.max_new_tokens, forced=[self.token_ids[NO_RETRIEVAL]])
+                answer = self._answer_text(out.tokens)
         logger.debug(
             "retrieval gate: p=%.4f threshold=%s retrieve=%s", probability, threshold, retrieve
         )
         return RetrievalDecision(retrieve=retrieve, probability=probability, answer=answer)
 
-    def judge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
+    def _judge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
         """Answer from every paragraph in one batched pass and score each answer.
 
         The prompt is ``### Instruction:\\n{query}\\n\\n### Response:\\n[Retrieval]<paragraph>``,
@@ -141,6 +157,7 @@ class ReflectionCritic:
         """
         if not paragraphs:
             return []
+        self.decoder.check_open()
         prefix = [*self._prompt(query), self.token_ids[RETRIEVAL], self.token_ids[PARAGRAPH_OPEN]]
         suffixes = [self._user_tokens(text, add_bos=False) for text in paragraphs]
         outputs = self.decoder.generate(
@@ -173,8 +190,9 @@ class ReflectionCritic:
             )
         return judgements
 
-    def generate(self, query: str) -> str:
+    def _generate(self, query: str) -> str:
         """Answer with no evidence: greedy continuation after ``[No Retrieval]``."""
+        self.decoder.check_open()
         with self.decoder.session(self._prompt(query)) as session:
             out = session.generate(self.max_new_tokens, forced=[self.token_ids[NO_RETRIEVAL]])
         return self._answer_text(out.tokens)
@@ -182,24 +200,21 @@ class ReflectionCritic:
     async def adecide_retrieval(
         self, query: str, threshold: float | None, answer_if_skipped: bool = True
     ) -> RetrievalDecision:
-        """:meth:`decide_retrieval` in a worker thread (llama.cpp releases the GIL)."""
-        decision: RetrievalDecision = await run_in_thread(
-            self.decide_retrieval, query, threshold, answer_if_skipped
-        )
-        return decision
+        """Self-RAG's adaptive-retrieval gate (see :meth:`_decide_retrieval`)."""
+        return await self._worker.run(self._decide_retrieval, query, threshold, answer_if_skipped)
 
     async def ajudge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
-        """:meth:`judge` in a worker thread."""
-        judgements: list[ParagraphJudgement] = await run_in_thread(self.judge, query, paragraphs)
-        return judgements
+        """Answer from every paragraph in one batched pass and score each answer."""
+        return await self._worker.run(self._judge, query, paragraphs)
 
     async def agenerate(self, query: str) -> str:
-        """:meth:`generate` in a worker thread."""
-        answer: str = await run_in_thread(self.generate, query)
-        return answer
+        """Answer with no evidence: greedy continuation after ``[No Retrieval]``."""
+        return await self._worker.run(self._generate, query)
 
     def close(self) -> None:
-        """Free the critic's llama.cpp context (the ``Llama`` itself stays open)."""
+        """Wait for running work, then free the critic's llama.cpp context (the ``Llama``
+        itself stays open)."""
+        self._worker.close()
         self.decoder.close()
 
     # --- tokens ----------------------------------------------------------------------------------
@@ -251,9 +266,5 @@ def _resolve_token_ids(llm: llama_cpp.Llama) -> dict[str, int]:
         else:
             missing.append(text)
     if missing:
-        if len(missing) == len(SELF_RAG_SPECIAL_TOKENS):
-            what = f"{RETRIEVAL} token (nor any of the {len(missing)} Self-RAG special tokens)"
-        else:
-            what = f"{', '.join(missing)} token{'s' if len(missing) > 1 else ''}"
-        raise ValueError(f"model has no {what}: pass a Self-RAG GGUF or use critic='prompted'")
+        raise MissingReflectionTokens(missing, sorted(ids))
     return ids

@@ -1,0 +1,148 @@
+"""The one bridge between synchronous and asynchronous code in this package.
+
+Three situations, one helper each:
+
+* **Flows written once** (the Self-RAG query, the segment extraction) are generators that yield
+  requests and receive results. :func:`drive` answers them with blocking calls, :func:`adrive`
+  with awaited ones, so ``query``/``aquery`` and ``extract``/``aextract`` cannot drift apart.
+* **Async-first work from sync code** (a critic's ``judge`` calling its ``ajudge``):
+  :func:`run_sync` runs the coroutine on one private event loop in a daemon thread. One loop for
+  the process, so async clients an LLM caches (bound to the loop that created them) keep working
+  across calls, and it works the same whether or not the caller is inside a running loop.
+* **Blocking native work from async code** (llama.cpp decoding): :class:`SerialWorker` runs it
+  on one dedicated thread per model, so decoding never competes with itself for the cores and
+  calls reach the native library in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import functools
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Generator
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def drive(flow: Generator[Any, Any, R], handle: Callable[[Any], Any]) -> R:
+    """Run a request/response generator to completion, answering each request with ``handle``."""
+    try:
+        request = next(flow)
+        while True:
+            request = flow.send(handle(request))
+    except StopIteration as done:
+        result: R = done.value
+        return result
+
+
+async def adrive(flow: Generator[Any, Any, R], handle: Callable[[Any], Awaitable[Any]]) -> R:
+    """:func:`drive` with an async ``handle``."""
+    try:
+        request = next(flow)
+        while True:
+            request = flow.send(await handle(request))
+    except StopIteration as done:
+        result: R = done.value
+        return result
+
+
+class _LoopThread:
+    """A private event loop in a daemon thread."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        loop = self._ensure()
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError(
+                "a synchronous method was called from inside its own async work: await the "
+                "async variant (adecide_retrieval, ajudge, agenerate, aquery) instead"
+            )
+        context = contextvars.copy_context()  # keep the caller's instrumentation span
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def start() -> None:
+            task = context.run(loop.create_task, coro)
+
+            def finish(t: asyncio.Task[T]) -> None:
+                if t.cancelled():
+                    done.cancel()
+                elif (exc := t.exception()) is not None:
+                    done.set_exception(exc)
+                else:
+                    done.set_result(t.result())
+
+            task.add_done_callback(finish)
+
+        loop.call_soon_threadsafe(start)
+        return done.result()
+
+    def _ensure(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or self._loop.is_closed():
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(
+                    target=loop.run_forever, name="self-rag-rse-loop", daemon=True
+                )
+                thread.start()
+                self._loop, self._thread = loop, thread
+            return self._loop
+
+
+_LOOP = _LoopThread()
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion from synchronous code and return its result.
+
+    The coroutine runs on the package's private event loop; only the calling thread blocks, so
+    this is safe inside a running event loop (e.g. a notebook) too.
+    """
+    return _LOOP.run(coro)
+
+
+class SerialWorker:
+    """One thread that runs blocking calls in order, awaited from async code.
+
+    llama.cpp decoding is blocking and uses its own thread pool: running it from many
+    ``asyncio.to_thread`` workers oversubscribes the cores and interleaves calls on one native
+    context. A worker per model keeps the calls in one thread and in order.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    async def run(self, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """Run ``func(*args, **kwargs)`` on the worker thread and await its result."""
+        loop = asyncio.get_running_loop()
+        context = contextvars.copy_context()
+        call = functools.partial(context.run, func, *args, **kwargs)
+        return await loop.run_in_executor(self._ensure(), call)
+
+    def _ensure(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=self._name
+                )
+            return self._executor
+
+    def close(self) -> None:
+        """Wait for the running call, then stop the thread (a later ``run`` starts a new one)."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            # From the worker thread itself (a call that closes its own critic) waiting would
+            # deadlock: the running call is the one asking.
+            inside = threading.current_thread().name.startswith(self._name)
+            executor.shutdown(wait=not inside)

@@ -1,0 +1,107 @@
+"""The contract between a critic and the model it questions.
+
+A critic needs two things from a model: *continue these k prompts* (the answers) and *report the
+probabilities of these label groups at the next position* (Yes/No, Yes/Partly/No, 1..5). A
+:class:`CriticBackend` does both for a batch of prompts built from one template, so a critic
+never asks which model it has: in-process llama.cpp
+(:class:`~llama_index.packs.self_rag_rse.llamacpp.backend.LlamaCppBackend`, one batched decode,
+exact label probabilities) and any LlamaIndex LLM
+(:class:`~llama_index.packs.self_rag_rse.self_rag.llm_backend.LLMBackend`, concurrent calls,
+log-probs when returned, tolerant reply parsing otherwise) implement it, and a served model is a
+third implementation.
+
+Results are per prompt and in input order; a prompt that failed comes back as the exception, so
+one failure never sinks the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llama_index.core.prompts import BasePromptTemplate
+
+from llama_index.packs.self_rag_rse.self_rag.labels import LabelScale
+
+#: One prompt's template variables (``query_str``, ``context_str``, ``answer_str``).
+Values = Mapping[str, Any]
+
+
+@dataclass
+class Scored:
+    """One label judgement: ``score`` on the scale's range and how it was obtained.
+
+    ``method`` is ``"logprobs"`` (label probabilities), ``"parsed"`` (label read from a reply)
+    or ``"fallback"`` (unreadable reply, the scale's neutral score; ``note`` says why).
+    ``generated_tokens`` counts the tokens the model produced for it, when known.
+    """
+
+    score: float
+    method: str
+    note: str | None = None
+    generated_tokens: int | None = None
+
+
+@dataclass
+class Generated:
+    """One generated answer; ``seq_score`` is exp(mean token log-prob) when log-probs exist."""
+
+    text: str
+    seq_score: float | None = None
+    generated_tokens: int | None = None
+
+
+def prompt_values(query: str, paragraph: str | None = None, answer: str | None = None) -> Values:
+    """Template variables for one prompt (a missing part is left out, not filled with "")."""
+    values = {"query_str": query}
+    if paragraph is not None:
+        values["context_str"] = paragraph
+    if answer is not None:
+        values["answer_str"] = answer
+    return values
+
+
+class CriticBackend(ABC):
+    """Continue prompts and read label probabilities, for a batch of prompts at once."""
+
+    #: How prompts are formatted for the model (``"gguf_chat_template"``, ``"llm"``, ...).
+    prompt_format: str = "llm"
+
+    @abstractmethod
+    async def generate(
+        self, template: BasePromptTemplate, values: Sequence[Values]
+    ) -> list[Generated | Exception]:
+        """Answer every prompt ``template.format(**values[i])``."""
+
+    @abstractmethod
+    async def score(
+        self, scale: LabelScale, template: BasePromptTemplate, values: Sequence[Values]
+    ) -> list[Scored | Exception]:
+        """Score every prompt on ``scale`` (the label the model would reply with)."""
+
+    async def generate_and_score(
+        self,
+        answer_template: BasePromptTemplate,
+        scale: LabelScale,
+        label_template: BasePromptTemplate,
+        values: Sequence[Values],
+    ) -> tuple[list[Generated | Exception], list[Scored | Exception]]:
+        """Answers from ``answer_template`` and labels from ``label_template``, same values.
+
+        Backends that can share work between the two (llama.cpp evaluates each paragraph once
+        for both) override this; the default runs both together.
+        """
+        answers, labels = await asyncio.gather(
+            self.generate(answer_template, values), self.score(scale, label_template, values)
+        )
+        return answers, labels
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
+        """Free what the backend holds (never the model it was given)."""
+
+    def describe(self) -> dict[str, Any]:
+        """A few facts for traces (model kind, prompt format)."""
+        return {"backend": type(self).__name__, "prompt_format": self.prompt_format}

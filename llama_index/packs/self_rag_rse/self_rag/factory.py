@@ -1,0 +1,223 @@
+"""Building critics from what users pass: a GGUF path, a ``LlamaCPP``, a ``Llama`` or any LLM.
+
+This is the only place that looks at *what kind* of model it was given; critics and the engine
+receive built parts. Whoever loads a model owns it: :func:`build_critic` reports whether it
+loaded one, and the engine closes that model when it is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llama_index.packs.self_rag_rse.llamacpp.compat import import_llama_cpp, llama_of
+from llama_index.packs.self_rag_rse.self_rag.backend import CriticBackend
+from llama_index.packs.self_rag_rse.self_rag.contract import (
+    Critic,
+    ParagraphJudgement,
+    RetrievalDecision,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Model settings used when a GGUF is loaded here (``model_path``). Unlike the upstream pack
+#: there is no ``logits_all``: the critic reads only the logits it needs.
+DEFAULT_MODEL_KWARGS: dict[str, Any] = {"n_ctx": 2048, "n_gpu_layers": -1, "verbose": False}
+
+CRITIC_CHOICES = ("auto", "reflection", "prompted")
+
+
+@dataclass
+class BuiltCritic:
+    """A critic and the model this factory loaded for it (``None`` when the caller passed one)."""
+
+    critic: Critic
+    loaded_model: Any = None
+
+
+def load_gguf(model_path: str, model_kwargs: Mapping[str, Any] | None = None) -> Any:
+    """Load a GGUF with llama.cpp (:data:`DEFAULT_MODEL_KWARGS` under ``model_kwargs``)."""
+    llama_cpp = import_llama_cpp("model_path")
+    kwargs = {**DEFAULT_MODEL_KWARGS, **dict(model_kwargs or {})}
+    return llama_cpp.Llama(model_path=str(model_path), **kwargs)
+
+
+def build_backend(
+    model: Any,
+    *,
+    max_new_tokens: int = 64,
+    num_workers: int = 4,
+    use_batched_decoding: bool = True,
+    llm_kwargs: Mapping[str, Any] | None = None,
+    n_seq_max: int = 8,
+    n_ctx: int | None = None,
+    n_threads: int | None = None,
+) -> CriticBackend:
+    """The :class:`~.backend.CriticBackend` for ``model``.
+
+    A ``LlamaCPP`` or ``llama_cpp.Llama`` gets batched llama.cpp decoding (unless
+    ``use_batched_decoding=False``); any other LlamaIndex ``LLM`` gets concurrent calls.
+    """
+    from llama_index.core.llms import LLM
+
+    llama = llama_of(model) if use_batched_decoding else None
+    if llama is not None:
+        from llama_index.packs.self_rag_rse.llamacpp.backend import LlamaCppBackend
+
+        return LlamaCppBackend(
+            llama,
+            model,
+            max_new_tokens=max_new_tokens,
+            n_seq_max=n_seq_max,
+            n_ctx=n_ctx,
+            n_threads=n_threads,
+        )
+    if isinstance(model, LLM):
+        from llama_index.packs.self_rag_rse.self_rag.llm_backend import LLMBackend
+
+        return LLMBackend(model, llm_kwargs, num_workers=num_workers)
+    raise TypeError(
+        f"llm must be a LlamaIndex LLM or a llama_cpp.Llama, got {type(model).__name__}"
+    )
+
+
+def build_critic(
+    critic: str | Critic = "auto",
+    *,
+    llm: Any = None,
+    model_path: str | None = None,
+    model_kwargs: Mapping[str, Any] | None = None,
+    generator_llm: Any = None,
+    max_new_tokens: int = 50,
+) -> BuiltCritic:
+    """Choose and build the critic the engine's arguments ask for.
+
+    ``critic`` is ``"reflection"`` (a llama.cpp model with Self-RAG's reflection tokens),
+    ``"prompted"`` (any LLM), ``"auto"`` (reflection when the model has every reflection token,
+    prompted otherwise, with a warning when it has only some) or a built critic.
+    """
+    if not isinstance(critic, str):
+        if llm is not None or model_path is not None:
+            raise ValueError(
+                "pass either a built critic or llm=/model_path= to build one, not both"
+            )
+        return BuiltCritic(as_critic(critic))
+    if critic not in CRITIC_CHOICES:
+        raise ValueError(
+            f"critic must be 'auto', 'reflection', 'prompted' or a Critic, got {critic!r}"
+        )
+    if llm is None and model_path is None:
+        raise ValueError(
+            "pass model_path= (a Self-RAG GGUF) or llm= (a LlamaCPP, llama_cpp.Llama or any "
+            "LlamaIndex LLM)"
+        )
+    if llm is not None and model_path is not None:
+        raise ValueError("pass model_path= or llm=, not both")
+    loaded = None
+    if model_path is not None:
+        llm = loaded = load_gguf(model_path, model_kwargs)
+    try:
+        return BuiltCritic(
+            _choose(critic, llm, generator_llm, max_new_tokens=max_new_tokens), loaded
+        )
+    except BaseException:
+        if loaded is not None:
+            loaded.close()
+        raise
+
+
+def as_critic(critic: Any) -> Critic:
+    """``critic`` itself when it implements :class:`~.contract.Critic`; a critic written against
+    the earlier, blocking-only contract (``decide_retrieval``, ``judge``, ``generate``) is
+    wrapped so its blocking methods run in a worker thread."""
+    if isinstance(critic, Critic):
+        return critic
+    blocking = ("decide_retrieval", "judge", "generate")
+    if all(callable(getattr(critic, name, None)) for name in blocking):
+        return _BlockingCritic(critic)
+    raise TypeError(
+        f"critic must implement the Critic contract (subclass BaseCritic and define "
+        f"adecide_retrieval, ajudge and agenerate), got {type(critic).__name__}"
+    )
+
+
+class _BlockingCritic:
+    """A blocking-only critic seen through the full contract."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = str(getattr(inner, "name", type(inner).__name__))
+
+    def decide_retrieval(
+        self, query: str, threshold: float | None, answer_if_skipped: bool = True
+    ) -> RetrievalDecision:
+        decision: RetrievalDecision = self.inner.decide_retrieval(
+            query, threshold, answer_if_skipped
+        )
+        return decision
+
+    def judge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
+        return list(self.inner.judge(query, paragraphs))
+
+    def generate(self, query: str) -> str:
+        return str(self.inner.generate(query))
+
+    async def adecide_retrieval(
+        self, query: str, threshold: float | None, answer_if_skipped: bool = True
+    ) -> RetrievalDecision:
+        return await asyncio.to_thread(self.decide_retrieval, query, threshold, answer_if_skipped)
+
+    async def ajudge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
+        return await asyncio.to_thread(self.judge, query, paragraphs)
+
+    async def agenerate(self, query: str) -> str:
+        return await asyncio.to_thread(self.generate, query)
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if callable(close):
+            close()
+
+
+def _choose(critic: str, llm: Any, generator_llm: Any, *, max_new_tokens: int) -> Critic:
+    raw = llama_of(llm)
+    if critic in ("auto", "reflection") and raw is not None and generator_llm is None:
+        from llama_index.packs.self_rag_rse.self_rag.reflection_critic import (
+            MissingReflectionTokens,
+            ReflectionCritic,
+        )
+
+        try:
+            return ReflectionCritic(raw, max_new_tokens=max_new_tokens)
+        except MissingReflectionTokens as missing:
+            if critic == "reflection":
+                raise
+            if missing.found:
+                # Some tokens but not all: probably a Self-RAG GGUF with a broken vocabulary.
+                message = (
+                    f"the model has only some Self-RAG reflection tokens (missing: "
+                    f"{', '.join(missing.missing)}), so the prompted critic is used; pass a "
+                    "complete Self-RAG GGUF for reflection scores, or critic='prompted' to "
+                    "silence this"
+                )
+                logger.warning(message)
+                warnings.warn(message, stacklevel=4)
+            else:
+                logger.info("model has no reflection tokens: using the prompted critic")
+    elif critic == "reflection":
+        if generator_llm is not None:
+            raise ValueError(
+                "critic='reflection' scores the model's own answers: generator_llm= works with "
+                "critic='prompted' only"
+            )
+        raise ValueError(
+            "critic='reflection' needs a llama.cpp model with Self-RAG reflection tokens "
+            "(model_path=, a LlamaCPP or a llama_cpp.Llama); use critic='prompted' for other LLMs"
+        )
+    from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
+
+    return PromptedCritic(llm, generator_llm=generator_llm, max_new_tokens=max_new_tokens)

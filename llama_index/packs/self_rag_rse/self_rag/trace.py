@@ -1,0 +1,61 @@
+"""What the engine reports about a query: per-paragraph rows and the human-readable table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from llama_index.core.schema import NodeWithScore
+
+from llama_index.packs.self_rag_rse.self_rag.contract import ParagraphJudgement
+
+
+@dataclass
+class Candidate:
+    """One judged paragraph: its node, the critic's judgement and the final score."""
+
+    node: NodeWithScore
+    judgement: ParagraphJudgement
+    score: float
+
+
+def paragraph_meta(c: Candidate) -> dict[str, Any]:
+    """The row of ``metadata["self_rag"]["paragraphs"]`` for one candidate."""
+    j = c.judgement
+    row: dict[str, Any] = {
+        "node_id": c.node.node.node_id,
+        "answer": j.answer,
+        "relevance": j.relevance,
+        "support": j.support,
+        "utility": j.utility,
+        "seq_score": j.seq_score,
+        "score": c.score if j.error is None else None,
+    }
+    if j.error is not None:
+        row["error"] = j.error
+    return row
+
+
+def print_table(candidates: list[Candidate], meta: dict[str, Any]) -> None:
+    """Print the per-paragraph scores and the trace (``verbose=True``)."""
+    prob = meta["retrieve_prob"]
+    print(
+        f"Self-RAG [{meta['critic']}] retrieve={meta['retrieve']}"
+        + (f" p={prob:.3f}" if prob is not None else "")
+    )
+    if candidates:
+        print(
+            f"  {'#':>2} {'node':<10} {'rel':>5} {'sup':>5} {'use':>5} {'seq':>5} "
+            f"{'score':>6}  answer"
+        )
+    for i, c in enumerate(candidates):
+        j = c.judgement
+        seq = f"{j.seq_score:.2f}" if j.seq_score is not None else "  -"
+        mark = "*" if meta["best"] == i else " "
+        answer = (j.error or j.answer).replace("\n", " ")[:60]
+        print(
+            f"{mark}{i:>2} {c.node.node.node_id[:10]:<10} {j.relevance:5.2f} {j.support:5.2f} "
+            f"{j.utility:+5.2f} {seq:>5} {c.score:6.2f}  {answer}"
+        )
+    for entry in meta["trace"]:
+        print("  trace:", entry)

@@ -1,0 +1,37 @@
+"""Retrievers and nodes shared by the engine tests (the retriever is not under test there)."""
+
+from __future__ import annotations
+
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+PARAGRAPHS = [
+    ("p-while", "The while statement repeats a suite while an expression is true.", "while"),
+    ("p-for", "The for statement iterates over the items of a sequence.", "for"),
+    ("p-if", "The if statement selects exactly one suite by evaluating expressions.", None),
+]
+
+
+class FixedRetriever(BaseRetriever):
+    """Returns the same scored nodes for every query (the retriever is not under test here)."""
+
+    def __init__(self, nodes: list[NodeWithScore] | None = None) -> None:
+        super().__init__()
+        self.nodes = nodes if nodes is not None else make_nodes()
+        self.queries: list[str] = []
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        self.queries.append(query_bundle.query_str)
+        return [NodeWithScore(node=n.node, score=n.score) for n in self.nodes]
+
+
+def make_nodes() -> list[NodeWithScore]:
+    out = []
+    for i, (node_id, text, title) in enumerate(PARAGRAPHS):
+        metadata = {"title": title, "source": "unit"} if title else {"source": "unit"}
+        out.append(
+            NodeWithScore(
+                node=TextNode(id_=node_id, text=text, metadata=metadata), score=0.9 - 0.1 * i
+            )
+        )
+    return out

@@ -1,0 +1,85 @@
+"""The one sync/async bridge: flows driven both ways, async work from sync code, one worker."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from llama_index.packs.self_rag_rse.common.bridge import SerialWorker, adrive, drive, run_sync
+from llama_index.packs.self_rag_rse.common.notes import collect_notes, record_note
+
+
+def flow():
+    a = yield "x"
+    b = yield a + "y"
+    return a + b
+
+
+def test_drive_and_adrive_give_the_same_result():
+    assert drive(flow(), lambda request: request * 2) == "xx" + "xxyxxy"
+
+    async def double(request):
+        await asyncio.sleep(0)
+        return request * 2
+
+    assert asyncio.run(adrive(flow(), double)) == "xxxxyxxy"
+
+
+def test_run_sync_works_inside_a_running_loop():
+    async def inner() -> int:
+        await asyncio.sleep(0)
+        return 7
+
+    async def outer() -> int:
+        return run_sync(inner())  # blocks only this thread
+
+    assert asyncio.run(outer()) == 7
+    assert run_sync(inner()) == 7
+
+
+def test_run_sync_propagates_exceptions():
+    async def boom() -> None:
+        raise KeyError("x")
+
+    with pytest.raises(KeyError):
+        run_sync(boom())
+
+
+def test_serial_worker_runs_calls_in_one_thread_in_order():
+    worker = SerialWorker("test-worker")
+    seen: list[tuple[int, str]] = []
+
+    def job(i: int) -> int:
+        seen.append((i, threading.current_thread().name))
+        return i
+
+    async def main() -> list[int]:
+        return await asyncio.gather(*(worker.run(job, i) for i in range(5)))
+
+    assert asyncio.run(main()) == [0, 1, 2, 3, 4]
+    assert [i for i, _ in seen] == [0, 1, 2, 3, 4]
+    assert len({name for _, name in seen}) == 1
+    worker.close()
+    assert asyncio.run(worker.run(job, 9)) == 9  # a closed worker starts again
+    worker.close()
+
+
+def test_notes_reach_only_the_collecting_caller():
+    record_note("nobody", "dropped: nobody collects")
+    with collect_notes() as notes:
+        record_note("a", "why")
+    assert notes == [("a", "why")]
+
+    async def task(name: str) -> list[tuple[str, str]]:
+        with collect_notes() as mine:
+            await asyncio.sleep(0)
+            record_note(name, name)
+            await asyncio.sleep(0)
+        return mine
+
+    async def main():
+        return await asyncio.gather(task("1"), task("2"))
+
+    assert asyncio.run(main()) == [[("1", "1")], [("2", "2")]]

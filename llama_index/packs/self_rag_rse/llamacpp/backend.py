@@ -13,8 +13,8 @@ All decoding runs on one worker thread per backend, in order (see
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llama_index.core.prompts import BasePromptTemplate
 
@@ -27,6 +27,8 @@ from llama_index.packs.self_rag_rse.self_rag.reflection import sequence_score
 
 if TYPE_CHECKING:
     import llama_cpp
+
+T = TypeVar("T")
 
 
 class LlamaCppBackend(CriticBackend):
@@ -75,13 +77,13 @@ class LlamaCppBackend(CriticBackend):
         self, template: BasePromptTemplate, values: Sequence[Values]
     ) -> list[Generated | Exception]:
         """Greedy answers for every prompt from one multi-sequence decode."""
-        return await self._worker.run(self.generate_blocking, template, values)
+        return await self._worker.run(self._held, self.generate_blocking, template, values)
 
     async def score(
         self, scale: LabelScale, template: BasePromptTemplate, values: Sequence[Values]
     ) -> list[Scored | Exception]:
         """Label probabilities of every prompt from one multi-sequence decode (1 new token)."""
-        return await self._worker.run(self.score_blocking, scale, template, values)
+        return await self._worker.run(self._held, self.score_blocking, scale, template, values)
 
     async def generate_and_score(
         self,
@@ -92,7 +94,12 @@ class LlamaCppBackend(CriticBackend):
     ) -> tuple[list[Generated | Exception], list[Scored | Exception]]:
         """Answers and labels with each paragraph evaluated once for both (see the module)."""
         return await self._worker.run(
-            self.generate_and_score_blocking, answer_template, scale, label_template, values
+            self._held,
+            self.generate_and_score_blocking,
+            answer_template,
+            scale,
+            label_template,
+            values,
         )
 
     def close(self) -> None:
@@ -173,6 +180,11 @@ class LlamaCppBackend(CriticBackend):
     def _check_open(self) -> None:
         # llama-cpp-python's tokenize on a closed Llama touches freed memory: check first.
         self.decoder.check_open()
+
+    def _held(self, func: Callable[..., T], *args: Any) -> T:
+        """Run ``func`` holding the decoder, so the model cannot be closed half-way."""
+        with self.decoder.hold():
+            return func(*args)
 
     def _prompts(
         self, template: BasePromptTemplate, values: Sequence[Values], max_new: int

@@ -63,7 +63,11 @@ def _internal_model(llama: llama_cpp.Llama) -> Any:
 
 
 def is_closed(llama: llama_cpp.Llama) -> bool:
-    """Whether the ``Llama``'s native model has been freed."""
+    """Whether the ``Llama``'s native model has been freed.
+
+    Both ``Llama.close()`` and ``llama._model.close()`` leave ``llama._model`` in place with its
+    ``model`` pointer set to None; that is what this reads.
+    """
     try:
         _internal_model(llama)
     except ModelClosedError:
@@ -77,13 +81,22 @@ def model_pointer(llama: llama_cpp.Llama) -> Any:
 
 
 def on_close(llama: llama_cpp.Llama, callback: Callable[[], None]) -> bool:
-    """Run ``callback`` when the ``Llama`` is closed, *before* its model is freed.
+    """Run ``callback`` when the ``Llama``'s model is freed, *before* it is freed.
 
-    llama-cpp-python frees the model through an exit stack whose callbacks run last-in first-out,
-    so a callback registered after the model was loaded runs first. Returns False when this
-    llama-cpp-python has no such stack (then closing is not observed).
+    llama-cpp-python 0.3.x frees the model through exit stacks, whose callbacks run last-in
+    first-out: ``Llama.close()`` closes the Llama's ``_stack``, which ends with
+    ``LlamaModel.close()``; that closes the model's own ``_exit_stack``, whose first callback
+    frees the native model and sets ``LlamaModel.model`` to None (:func:`is_closed`). Registering
+    on the model's stack hears both ``Llama.close()`` (``LlamaCPP._model.close()``) and a direct
+    ``llama._model.close()``, and runs before the model is freed; releases without that stack
+    get the callback on ``Llama._stack``, which hears ``Llama.close()`` only. The callback may
+    block (to let a running decode finish): the model is freed after it returns. Returns False
+    when neither stack exists (then closing is not observed).
     """
-    stack = getattr(llama, "_stack", None)
+    wrapper = getattr(llama, "_model", None)
+    stack = getattr(wrapper, "_exit_stack", None)
+    if stack is None:
+        stack = getattr(llama, "_stack", None)
     if stack is None:
         return False
     stack.callback(callback)

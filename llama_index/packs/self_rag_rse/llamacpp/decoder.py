@@ -34,18 +34,35 @@ import threading
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from llama_index.packs.self_rag_rse.llamacpp import compat
+from llama_index.packs.self_rag_rse.llamacpp.session import (
+    PromptSession,
+    SequenceOutput,
+    Slot,
+    collect,
+    failed,
+    fit_suffixes,
+    greedy_step,
+    track_array,
+)
 
 if TYPE_CHECKING:
     import llama_cpp
+
+__all__ = [
+    "BatchedDecoder",
+    "ContextCreationError",
+    "DecodeError",
+    "PromptSession",
+    "SequenceOutput",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,27 +87,6 @@ _INHERITED_PARAMS = (
 )
 
 
-@dataclass
-class SequenceOutput:
-    """What one sequence produced.
-
-    ``tokens`` are the generated ids; when generation ended on an end-of-generation (or stop)
-    token, that token is the last one, as in the Self-RAG reference code, so it counts in
-    ``token_logprobs`` and in the sequence score. ``tracked_logprobs[i, j]`` is the log-prob of
-    ``track_ids[j]`` at generated position ``i`` under the full-vocabulary softmax.
-    ``finish_reason`` is ``"stop"`` (end-of-generation or a stop id), ``"length"``
-    (``max_new_tokens`` reached) or ``"error"`` (then ``error`` says why and the arrays are
-    empty). ``truncated`` counts suffix tokens dropped to fit the context.
-    """
-
-    tokens: list[int]
-    token_logprobs: NDArray[np.float64]
-    tracked_logprobs: NDArray[np.float64]
-    finish_reason: str
-    truncated: int = 0
-    error: str | None = None
-
-
 class DecodeError(RuntimeError):
     """``llama_decode`` (or context creation) failed; ``code`` is llama.cpp's return value."""
 
@@ -99,20 +95,25 @@ class DecodeError(RuntimeError):
         self.code = code
 
 
-@dataclass
-class _Slot:
-    """Book-keeping of one live sequence inside a group."""
+class ContextCreationError(DecodeError):
+    """llama.cpp could not create a context (``llama_init_from_model`` returned NULL), usually
+    because the KV cache does not fit in memory, even for the smallest group of sequences.
 
-    index: int  # position in the caller's list
-    seq_id: int
-    feed: list[int]  # tokens still to be evaluated before the next logits are needed
-    pos: int  # position of feed[0]
-    max_new: int
-    truncated: int = 0
-    tokens: list[int] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)
-    tracked: list[NDArray[np.float64]] = field(default_factory=list)
-    finish_reason: str | None = None
+    ``cells`` is the KV-cache size that was requested (all streams together) and ``sequences``
+    the sequences it was for.
+    """
+
+    def __init__(self, cells: int, sequences: int) -> None:
+        tails = ", fewer tails per suffix" if sequences > 1 else ""
+        super().__init__(
+            f"llama.cpp could not create a context of {cells} KV cells for {sequences} "
+            "sequence(s) (llama_init_from_model returned NULL; usually the KV cache does not fit "
+            f"in memory): free memory, or ask for less: a lower n_ctx (longer suffixes are then "
+            f"truncated), fewer max_new_tokens{tails}, or a smaller KV cache type "
+            "(Llama(type_k=..., type_v=...))"
+        )
+        self.cells = cells
+        self.sequences = sequences
 
 
 class BatchedDecoder:
@@ -143,8 +144,13 @@ class BatchedDecoder:
             F16, which moves log-probs by up to ~1e-2: keep it off on CPU for exact scores.
 
     The KV cache is sized lazily to what a call needs (prefix + the chunk's suffixes and new
-    tokens), kept between calls and recreated only when a call needs more cells. Calls are
-    serialised by a lock, so one decoder may be shared by threads.
+    tokens), kept between calls and recreated only when a call needs more cells. When llama.cpp
+    cannot create a context that large (not enough memory), a call decodes fewer sequences at a
+    time, down to one suffix, and raises :class:`ContextCreationError` only if even that fails.
+
+    Calls are serialised by a lock, so one decoder may be shared by threads; :meth:`close` and
+    ``Llama.close()`` wait for the running call. Once the ``Llama``'s model is closed every call
+    raises :class:`~.compat.ModelClosedError` (see :meth:`check_open`).
     """
 
     def __init__(
@@ -183,12 +189,15 @@ class BatchedDecoder:
         }[flash_attn]
         if kv_unified is None:
             flash = self._flash_attn_type != lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-            offloaded = compat.model_params(llm).n_gpu_layers != 0 and lib.llama_supports_gpu_offload()
+            offloaded = (
+                compat.model_params(llm).n_gpu_layers != 0 and lib.llama_supports_gpu_offload()
+            )
             kv_unified = bool(flash or offloaded)
         #: The KV-cache layout in use (see ``kv_unified`` above).
         self.kv_unified: bool = kv_unified
         # Re-entrant so code inside a ``session`` block may also call ``generate``; the epoch
         # (bumped whenever the KV cache is wiped) tells a session its prompt must be re-read.
+        # Every use of the native context or batch, and freeing them, happens under this lock.
         self._lock = threading.RLock()
         self._epoch = 0
         self._ctx: Any = None
@@ -196,23 +205,52 @@ class BatchedDecoder:
         self._n_streams = 0  # sequence ids the context accepts (split: KV streams allocated)
         self._batch: Any = None
         self._batch_allocated = False
-        # Free our context before llama-cpp-python frees the model it points to (the Llama's
-        # exit stack runs callbacks last-in first-out). A weak reference keeps the Llama from
+        self._closed_model = False
+        # Free our context before llama-cpp-python frees the model it points to (its exit
+        # stacks run callbacks last-in first-out). A weak reference keeps the Llama from
         # keeping this decoder alive.
         ref = weakref.ref(self)
 
-        def _close_before_model() -> None:
+        def _before_model_is_freed() -> None:
             decoder = ref()
             if decoder is not None:
-                decoder.close()
+                decoder._model_closing()
 
-        compat.on_close(llm, _close_before_model)
+        compat.on_close(llm, _before_model_is_freed)
 
     # --- public API ----------------------------------------------------------------------------
 
+    @property
+    def closed_model(self) -> bool:
+        """Whether the ``Llama`` this decoder runs on has closed (or is closing) its model."""
+        return self._closed_model or compat.is_closed(self._llm)
+
+    def check_open(self) -> None:
+        """Raise :class:`~.compat.ModelClosedError` if the ``Llama``'s model was closed.
+
+        Every public method of the decoder and of its sessions checks this first. Code that
+        calls the ``Llama`` itself (``tokenize``, ``detokenize``, ``token_eos``...) should call
+        it before: llama-cpp-python reads the freed model there and crashes the process.
+        """
+        if self.closed_model:
+            raise compat.ModelClosedError()
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """Hold the decoder (and so the model's lifetime) for a block of work on the ``Llama``.
+
+        Inside the block the model is known to be open and cannot be closed by another thread
+        (``Llama.close()`` waits for the block), so code may call ``tokenize``/``detokenize``
+        and the decoder safely. Other decoder calls wait meanwhile.
+        """
+        with self._lock:
+            self.check_open()
+            yield
+
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends generation (EOS, EOT, ... as the GGUF declares them)."""
-        return bool(self._llama_cpp.llama_vocab_is_eog(self._vocab, token))
+        self.check_open()
+        return self._is_eog(token)
 
     def generate(
         self,
@@ -238,7 +276,12 @@ class BatchedDecoder:
         tail). ``track_ids`` selects the columns of ``tracked_logprobs``. Results come back
         suffix-major: the output of suffix ``i`` and tail ``j`` is at ``i * len(tails) + j``; a
         sequence whose decoding fails carries ``error`` and does not affect the others.
+
+        Raises :class:`ContextCreationError` when no llama.cpp context fits even one suffix, and
+        :class:`~.compat.ModelClosedError` when the model is (or gets, from another thread,
+        mid-call) closed.
         """
+        self.check_open()
         prefix = [int(t) for t in prefix]
         if not prefix:
             raise ValueError("prefix must hold at least one token (usually BOS)")
@@ -255,10 +298,18 @@ class BatchedDecoder:
             raise ValueError(
                 f"max_new_tokens must be >= 0, one number or one per tail, got {max_new_tokens}"
             )
-        track = self._track_array(track_ids)
+        track = track_array(track_ids, self.n_vocab)
         tail = [int(t) for t in suffix_tail]
         reserve = max(len(t) + n for t, n in zip(tail_feeds, max_new, strict=True))
-        feeds, truncated = self._fit_suffixes(len(prefix), suffixes, tail, reserve)
+        feeds, truncated = fit_suffixes(self.n_ctx, len(prefix), suffixes, tail, reserve)
+        if any(truncated):
+            message = (
+                f"{sum(1 for c in truncated if c)} of {len(truncated)} sequence(s) truncated to "
+                f"fit n_ctx={self.n_ctx} (prefix {len(prefix)} tokens, {reserve} after the "
+                f"suffix): dropped {truncated} tokens from the end of each suffix"
+            )
+            logger.warning(message)
+            warnings.warn(message, stacklevel=2)
         if not feeds:
             return []
         # Several tails: the suffix's last token goes with each tail, so that every sequence
@@ -267,33 +318,30 @@ class BatchedDecoder:
         stops = frozenset(int(t) for t in stop_ids)
         outputs: list[SequenceOutput | None] = [None] * (len(feeds) * n_tails)
         per_group = self.n_seq_max // n_tails
-        with self._lock:
-            groups = deque(
-                list(range(start, min(start + per_group, len(feeds))))
-                for start in range(0, len(feeds), per_group)
-            )
-            cells = max(
-                self._cells_needed(
-                    len(prefix),
+
+        def cells_of(group: list[int]) -> int:
+            branches = [
+                (
+                    len(shared[i]),
                     [
-                        (
-                            len(shared[i]),
-                            [
-                                len(feeds[i]) - len(shared[i]) + len(t) + n
-                                for t, n in zip(tail_feeds, max_new, strict=True)
-                            ],
-                        )
-                        for i in group
+                        len(feeds[i]) - len(shared[i]) + len(t) + n
+                        for t, n in zip(tail_feeds, max_new, strict=True)
                     ],
                 )
-                for group in groups
-            )
-            widest = max(len(group) for group in groups) * n_tails
+                for i in group
+            ]
+            return self._cells_needed(len(prefix), branches)
+
+        with self._lock:
+            self.check_open()  # again: the model may have been closed while we waited
+            groups = _chunks(list(range(len(feeds))), per_group)
             prefix_logits: NDArray[np.float32] | None = None
             while groups:
+                if prefix_logits is None:
+                    groups = self._fit_context(groups, cells_of, n_tails)
                 group = groups.popleft()
                 slots = [
-                    _Slot(
+                    Slot(
                         i * n_tails + j,
                         s * n_tails + j,
                         feeds[i][len(shared[i]) :] + tail_feeds[j] if max_new[j] else [],
@@ -306,7 +354,6 @@ class BatchedDecoder:
                 ]
                 try:
                     if prefix_logits is None:
-                        self._ensure_context(cells, widest)
                         self._memory_clear()
                         prefix_logits = self._eval_prefix(prefix)
                     self._share_prefix(len(group) * n_tails, len(prefix))
@@ -316,7 +363,7 @@ class BatchedDecoder:
                 except DecodeError as exc:
                     # The KV cache may hold half-evaluated batches: rebuild it before going on.
                     prefix_logits = None
-                    self._collect(slots, outputs, track)
+                    collect(slots, outputs, len(track))
                     remaining = [
                         i
                         for i in group
@@ -337,11 +384,11 @@ class BatchedDecoder:
                         for i in remaining:
                             for k in range(i * n_tails, (i + 1) * n_tails):
                                 if outputs[k] is None:
-                                    outputs[k] = _failed(str(exc), len(track), truncated[i])
+                                    outputs[k] = failed(str(exc), len(track), truncated[i])
                             logger.warning("suffix %d failed: %s", i, exc)
                     continue
-                self._collect(slots, outputs, track)
-        return [out if out is not None else _failed("not decoded", len(track)) for out in outputs]
+                collect(slots, outputs, len(track))
+        return [out if out is not None else failed("not decoded", len(track)) for out in outputs]
 
     @contextmanager
     def session(self, prompt: Sequence[int]) -> Iterator[PromptSession]:
@@ -350,8 +397,11 @@ class BatchedDecoder:
         Inside the ``with`` block the prompt stays in the KV cache, so
         ``session.logprobs(ids)`` followed by ``session.generate(..., forced=[tok])`` evaluates
         the prompt once (the Self-RAG gate reads p([Retrieval]) and, when it does not retrieve,
-        answers after ``[No Retrieval]`` from the same cache). Other calls wait meanwhile.
+        answers after ``[No Retrieval]`` from the same cache). Other calls, :meth:`close` and
+        ``Llama.close()`` from other threads wait meanwhile (``Llama.close()`` makes the
+        session's next call raise :class:`~.compat.ModelClosedError` so the block ends soon).
         """
+        self.check_open()
         tokens = [int(t) for t in prompt]
         if not tokens:
             raise ValueError("prompt must hold at least one token (usually BOS)")
@@ -361,6 +411,7 @@ class BatchedDecoder:
                 "shorten it or raise n_ctx"
             )
         with self._lock:
+            self.check_open()
             session = PromptSession(self, tokens)
             try:
                 yield session
@@ -368,19 +419,19 @@ class BatchedDecoder:
                 session._closed = True
 
     def close(self) -> None:
-        """Free the native context and batch; the decoder can still be used (it re-creates them)."""
-        lib = getattr(self, "_llama_cpp", None)
-        if lib is None:
+        """Free the native context and batch, once the call running in another thread ends.
+
+        The decoder stays usable: its next call creates them again (unless the ``Llama``'s model
+        was closed; then it raises :class:`~.compat.ModelClosedError`). Inside a ``session``
+        block of the same thread, it frees them at once (the lock is re-entrant) and the
+        session's next call recreates the context and re-reads its prompt. Do not call it from a
+        thread that a running call waits on: it would wait forever.
+        """
+        lock = getattr(self, "_lock", None)
+        if lock is None:  # __init__ failed before there was anything to free
             return
-        if getattr(self, "_batch_allocated", False):
-            lib.llama_batch_free(self._batch)
-            self._batch_allocated = False
-            self._batch = None
-        if getattr(self, "_ctx", None) is not None:
-            lib.llama_free(self._ctx)
-            self._ctx = None
-            self._n_cells = 0
-            self._n_streams = 0
+        with lock:
+            self._free_native()
 
     def __enter__(self) -> BatchedDecoder:
         return self
@@ -389,9 +440,54 @@ class BatchedDecoder:
         self.close()
 
     def __del__(self) -> None:
-        # At interpreter shutdown the llama_cpp module may already be gone.
+        # Unreachable, so no thread can be using it: free without waiting for the lock, which a
+        # garbage collection running inside another call of this thread must not block on. At
+        # interpreter shutdown the llama_cpp module may already be gone.
         with contextlib.suppress(Exception):
+            self._free_native()
+
+    # --- lifetime ------------------------------------------------------------------------------
+
+    def _is_eog(self, token: int) -> bool:
+        return bool(self._llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    def _model_closing(self) -> None:
+        """The ``Llama`` is about to free its model: free our context first.
+
+        The flag is set before taking the lock, so a call running in another thread stops at
+        its next ``llama_decode`` (raising ModelClosedError) instead of finishing work nobody
+        can use; taking the lock then holds the model's release until that call has left.
+        """
+        self._closed_model = True
+        try:
             self.close()
+        except Exception:
+            # The model is freed whatever happens here; raising would only make the user's
+            # Llama.close() fail.
+            logger.exception("could not free the batched decoder's llama.cpp context")
+
+    def _free_native(self) -> None:
+        """Free the context and batch (the caller holds the lock or owns the last reference)."""
+        lib = getattr(self, "_llama_cpp", None)
+        if lib is None:
+            return
+        if getattr(self, "_batch_allocated", False):
+            lib.llama_batch_free(self._batch)
+            self._batch_allocated = False
+            self._batch = None
+        if getattr(self, "_ctx", None) is not None:
+            if compat.is_closed(self._llm):
+                # The model was freed without telling us (no exit stack to hook): llama_free
+                # would read it. Leaking the context is the safe choice.
+                logger.warning(
+                    "the llama.cpp model was freed before the batched decoder's context; "
+                    "the context is leaked: close the decoder before the Llama"
+                )
+            else:
+                lib.llama_free(self._ctx)
+            self._ctx = None
+            self._n_cells = 0
+            self._n_streams = 0
 
     # --- context, batch and KV cache -----------------------------------------------------------
 
@@ -402,20 +498,92 @@ class BatchedDecoder:
             return prefix_len + sum(shared + sum(own) for shared, own in branches)
         return prefix_len + max((shared + max(own) for shared, own in branches), default=0)
 
+    def _fit_context(
+        self,
+        groups: deque[list[int]],
+        cells_of: Callable[[list[int]], int],
+        n_tails: int,
+    ) -> deque[list[int]]:
+        """Ensure a context for the largest of ``groups`` (suffix indices decoded together).
+
+        When llama.cpp cannot create it (usually: not enough memory for the KV cache), the
+        groups are cut in half and the smaller context is tried, down to one suffix per group;
+        returns the groups that fit. Raises :class:`ContextCreationError` if even one does not.
+        """
+        width = max(len(group) for group in groups)
+        first_width = width
+        while True:
+            try:
+                self._ensure_context(max(cells_of(g) for g in groups), width * n_tails)
+                break
+            except ContextCreationError as exc:
+                if width == 1:
+                    raise
+                failure = exc
+                width = (width + 1) // 2
+                groups = _chunks([i for group in groups for i in group], width)
+        if width < first_width:
+            logger.warning(
+                "%s; decoding %d suffix(es) at a time instead of %d, which is slower: "
+                "lower n_seq_max to skip the failed attempt, or free memory",
+                failure,
+                width,
+                first_width,
+            )
+        return groups
+
     def _ensure_context(self, cells: int, sequences: int = 1) -> bool:
         """Make sure the context holds ``cells`` KV cells (per stream when split) and accepts
-        ``sequences`` sequence ids; returns True if it had to be (re)created."""
+        ``sequences`` sequence ids; returns True if it had to be (re)created.
+
+        Raises :class:`ContextCreationError` when llama.cpp cannot create it.
+        """
         if self._ctx is not None and self._n_cells >= cells and self._n_streams >= sequences:
             return False
-        lib = self._llama_cpp
-        n_cells = -(-max(cells, self._n_cells, 1) // _CELL_ROUNDING) * _CELL_ROUNDING
+        # Grown to cover the current context too, so that calls of alternating shapes do not
+        # recreate it each time; if that much memory is not there, the bare request may be.
+        wanted = (_round_cells(cells), self._streams(sequences))
+        grown = (
+            _round_cells(max(cells, self._n_cells)),
+            self._streams(max(sequences, self._n_streams)),
+        )
+        self._free_native()
+        for n_cells, streams in dict.fromkeys([grown, wanted]):
+            ctx = self._create_context(n_cells, streams)
+            if ctx is not None:
+                break
+        else:
+            n_cells, streams = wanted
+            raise ContextCreationError(self._total_cells(n_cells, streams), sequences)
+        self._ctx = ctx
+        self._n_cells = n_cells
+        self._n_streams = streams
+        self._epoch += 1
+        self._batch = self._llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self._batch_allocated = True
+        logger.debug(
+            "created llama.cpp context: %d cells%s, %d sequences, %s KV cache",
+            n_cells,
+            "" if self.kv_unified else " per stream",
+            streams,
+            "unified" if self.kv_unified else "split",
+        )
+        return True
+
+    def _streams(self, sequences: int) -> int:
         # A unified cache costs nothing per sequence id; split streams are allocated as needed.
-        streams = self.n_seq_max if self.kv_unified else max(sequences, self._n_streams, 1)
-        self.close()
+        return self.n_seq_max if self.kv_unified else max(sequences, 1)
+
+    def _total_cells(self, n_cells: int, streams: int) -> int:
+        return n_cells if self.kv_unified else n_cells * streams
+
+    def _create_context(self, n_cells: int, streams: int) -> Any:
+        """A new llama.cpp context, or None when llama.cpp cannot create it."""
+        lib = self._llama_cpp
         params = lib.llama_context_default_params()
         for name, value in self._inherited.items():
             setattr(params, name, value)
-        params.n_ctx = n_cells if self.kv_unified else n_cells * streams
+        params.n_ctx = self._total_cells(n_cells, streams)
         params.n_batch = self.n_batch
         params.n_ubatch = self.n_batch
         params.n_seq_max = streams
@@ -427,23 +595,7 @@ class BatchedDecoder:
         # Unified: seq_cp only tags the prefix cells with more sequence ids (no copy) and each
         # sequence uses as many cells as it needs. Split: one stream of n_cells per sequence.
         params.kv_unified = self.kv_unified
-        ctx = lib.llama_init_from_model(self._model, params)
-        if ctx is None:
-            raise DecodeError(f"llama_init_from_model failed for a context of {n_cells} cells")
-        self._ctx = ctx
-        self._n_cells = n_cells
-        self._n_streams = streams
-        self._epoch += 1
-        self._batch = lib.llama_batch_init(self.n_batch, 0, 1)
-        self._batch_allocated = True
-        logger.debug(
-            "created llama.cpp context: %d cells%s, %d sequences, %s KV cache",
-            n_cells,
-            "" if self.kv_unified else " per stream",
-            streams,
-            "unified" if self.kv_unified else "split",
-        )
-        return True
+        return lib.llama_init_from_model(self._model, params)
 
     def _memory(self) -> Any:
         return self._llama_cpp.llama_get_memory(self._ctx)
@@ -472,7 +624,7 @@ class BatchedDecoder:
         """Evaluate each suffix's shared tokens into its first sequence, then copy them to the
         suffix's other sequences (``s * n_tails + j`` for the ``s``-th suffix of the group)."""
         prefills = [
-            _Slot(-1, s * n_tails, list(shared[i]), prefix_len, 0) for s, i in enumerate(group)
+            Slot(-1, s * n_tails, list(shared[i]), prefix_len, 0) for s, i in enumerate(group)
         ]
         self._run(prefills, prefix_logits, np.empty(0, dtype=np.intp), frozenset())
         lib, mem = self._llama_cpp, self._memory()
@@ -490,6 +642,8 @@ class BatchedDecoder:
             batch.seq_id[i][0] = seq_id
             batch.logits[i] = want_logits
         batch.n_tokens = len(entries)
+        if self._closed_model:  # Llama.close() waits for us: stop now
+            raise compat.ModelClosedError()
         code = self._llama_cpp.llama_decode(self._ctx, batch)
         if code != 0:
             raise DecodeError(f"llama_decode returned {code}", code)
@@ -516,7 +670,7 @@ class BatchedDecoder:
 
     def _run(
         self,
-        slots: list[_Slot],
+        slots: list[Slot],
         start_logits: NDArray[np.float32],
         track: NDArray[np.intp],
         stops: frozenset[int],
@@ -531,13 +685,13 @@ class BatchedDecoder:
             if slot.max_new == 0:
                 slot.finish_reason = "length"
             else:
-                self._choose(slot, start_logits, track, stops)
+                greedy_step(slot, start_logits, track, stops, self._is_eog)
         while True:
             live = [s for s in slots if s.finish_reason is None]
             if not live:
                 return
             entries: list[tuple[int, int, int, bool]] = []
-            readers: list[tuple[_Slot, int]] = []
+            readers: list[tuple[Slot, int]] = []
             for slot in live:
                 room = self.n_batch - len(entries)
                 if room <= 0:
@@ -558,162 +712,13 @@ class BatchedDecoder:
                     slot.finish_reason = "length"
             self._decode(entries)
             for slot, batch_index in readers:
-                self._choose(slot, self._logits(batch_index), track, stops)
-
-    def _choose(
-        self,
-        slot: _Slot,
-        logits: NDArray[np.float32],
-        track: NDArray[np.intp],
-        stops: frozenset[int],
-    ) -> None:
-        """Greedy step: record the exact log-probs, append the argmax, decide whether to stop."""
-        row = logits.astype(np.float64)
-        token = int(np.argmax(row))  # first maximum, like llama.cpp's greedy sampler
-        top = row[token]
-        log_z = top + np.log(np.sum(np.exp(row - top)))
-        slot.tokens.append(token)
-        slot.token_logprobs.append(float(top - log_z))
-        slot.tracked.append(row[track] - log_z)
-        if self.is_eog(token) or token in stops:
-            slot.finish_reason = "stop"
-        elif len(slot.tokens) >= slot.max_new:
-            slot.finish_reason = "length"
-        else:
-            slot.feed = [token]
-
-    def _collect(
-        self,
-        slots: list[_Slot],
-        outputs: list[SequenceOutput | None],
-        track: NDArray[np.intp],
-    ) -> None:
-        """Move finished slots into ``outputs``."""
-        for slot in slots:
-            if slot.finish_reason is None:
-                continue
-            outputs[slot.index] = SequenceOutput(
-                tokens=slot.tokens,
-                token_logprobs=np.asarray(slot.token_logprobs, dtype=np.float64),
-                tracked_logprobs=(
-                    np.vstack(slot.tracked) if slot.tracked else np.empty((0, len(track)))
-                ),
-                finish_reason=slot.finish_reason,
-                truncated=slot.truncated,
-            )
-
-    # --- input checks --------------------------------------------------------------------------
-
-    def _track_array(self, track_ids: Sequence[int]) -> NDArray[np.intp]:
-        track = np.asarray([int(t) for t in track_ids], dtype=np.intp)
-        if track.size and (track.min() < 0 or track.max() >= self.n_vocab):
-            raise ValueError(f"track_ids must lie in [0, {self.n_vocab}), got {track.tolist()}")
-        return track
-
-    def _fit_suffixes(
-        self,
-        prefix_len: int,
-        suffixes: Sequence[Sequence[int]],
-        tail: list[int],
-        reserve: int,
-    ) -> tuple[list[list[int]], list[int]]:
-        """Append ``tail`` to each suffix, truncating suffixes that would overflow ``n_ctx``
-        once ``reserve`` positions (the longest of tails + new tokens) are kept after them."""
-        budget = self.n_ctx - prefix_len - len(tail) - reserve
-        if budget < 0:
-            raise ValueError(
-                f"prefix ({prefix_len} tokens) + tail ({len(tail)}) + tails and max_new_tokens "
-                f"({reserve}) exceed n_ctx={self.n_ctx}: shorten the query or raise n_ctx"
-            )
-        feeds: list[list[int]] = []
-        truncated: list[int] = []
-        for suffix in suffixes:
-            tokens = [int(t) for t in suffix]
-            cut = max(0, len(tokens) - budget)
-            feeds.append(tokens[: len(tokens) - cut] + tail)
-            truncated.append(cut)
-        if any(truncated):
-            message = (
-                f"{sum(1 for c in truncated if c)} of {len(truncated)} sequence(s) truncated to "
-                f"fit n_ctx={self.n_ctx} (prefix {prefix_len} tokens, {reserve} after the suffix):"
-                f" dropped {truncated} tokens from the end of each suffix"
-            )
-            logger.warning(message)
-            warnings.warn(message, stacklevel=3)
-        return feeds, truncated
+                greedy_step(slot, self._logits(batch_index), track, stops, self._is_eog)
 
 
-class PromptSession:
-    """One prompt held in the decoder's KV cache (see :meth:`BatchedDecoder.session`)."""
-
-    def __init__(self, decoder: BatchedDecoder, prompt: list[int]) -> None:
-        self._decoder = decoder
-        self._prompt = prompt
-        self._logits: NDArray[np.float32] | None = None
-        self._epoch = -1
-        self._closed = False
-
-    def _ready(self, extra_cells: int) -> NDArray[np.float32]:
-        """Evaluate the prompt unless the KV cache still holds it from this session."""
-        if self._closed:
-            raise RuntimeError("the session is closed: use it inside its `with` block only")
-        decoder = self._decoder
-        decoder._ensure_context(decoder._cells_needed(len(self._prompt), [(0, [extra_cells])]))
-        if self._logits is None or self._epoch != decoder._epoch:
-            decoder._memory_clear()
-            self._epoch = decoder._epoch
-            self._logits = None  # stays None if evaluation fails
-            self._logits = decoder._eval_prefix(self._prompt)
-        return self._logits
-
-    def logprobs(self, track_ids: Sequence[int]) -> NDArray[np.float64]:
-        """Full-vocabulary log-probs of ``track_ids`` for the token after the prompt."""
-        track = self._decoder._track_array(track_ids)
-        row = self._ready(1).astype(np.float64)
-        top = row.max()
-        return row[track] - (top + np.log(np.sum(np.exp(row - top))))
-
-    def generate(
-        self,
-        max_new_tokens: int,
-        track_ids: Sequence[int] = (),
-        *,
-        forced: Sequence[int] = (),
-        stop_ids: Sequence[int] = (),
-    ) -> SequenceOutput:
-        """Greedy continuation after the prompt and the ``forced`` tokens (not part of the output).
-
-        Each call starts again from the bare prompt, so a session can try several forced
-        openings. Raises :class:`DecodeError` when llama.cpp fails.
-        """
-        decoder = self._decoder
-        forced_tokens = [int(t) for t in forced]
-        if len(self._prompt) + len(forced_tokens) + max_new_tokens > decoder.n_ctx:
-            raise ValueError(
-                f"prompt ({len(self._prompt)}) + forced ({len(forced_tokens)}) + max_new_tokens "
-                f"({max_new_tokens}) exceed n_ctx={decoder.n_ctx}"
-            )
-        track = decoder._track_array(track_ids)
-        start_logits = self._ready(len(forced_tokens) + max_new_tokens)
-        decoder._share_prefix(1, len(self._prompt))
-        slot = _Slot(0, 0, forced_tokens, len(self._prompt), max_new_tokens)
-        try:
-            decoder._run([slot], start_logits, track, frozenset(int(t) for t in stop_ids))
-        except DecodeError:
-            self._logits = None  # the cache may hold half a batch: re-read the prompt next time
-            raise
-        outputs: list[SequenceOutput | None] = [None]
-        decoder._collect([slot], outputs, track)
-        assert outputs[0] is not None
-        return outputs[0]
+def _round_cells(cells: int) -> int:
+    return -(-max(cells, 1) // _CELL_ROUNDING) * _CELL_ROUNDING
 
 
-def _failed(error: str, n_tracked: int, truncated: int = 0) -> SequenceOutput:
-    return SequenceOutput(
-        tokens=[],
-        token_logprobs=np.empty(0),
-        tracked_logprobs=np.empty((0, n_tracked)),
-        finish_reason="error",
-        truncated=truncated,
-        error=error,
-    )
+def _chunks(indices: list[int], size: int) -> deque[list[int]]:
+    """``indices`` cut into consecutive groups of at most ``size``."""
+    return deque(indices[start : start + size] for start in range(0, len(indices), size))

@@ -10,8 +10,8 @@ functions of :mod:`.reflection`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llama_index.packs.self_rag_rse.common.bridge import SerialWorker
 from llama_index.packs.self_rag_rse.llamacpp import compat
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     import llama_cpp
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: Self-RAG's instruction format (``retrieval_lm/utils.py`` in the reference code).
 PROMPT_TEMPLATE = "### Instruction:\n{query}\n\n### Response:\n"
@@ -201,21 +203,28 @@ class ReflectionCritic(BaseCritic):
         self, query: str, threshold: float | None, answer_if_skipped: bool = True
     ) -> RetrievalDecision:
         """Self-RAG's adaptive-retrieval gate (see :meth:`_decide_retrieval`)."""
-        return await self._worker.run(self._decide_retrieval, query, threshold, answer_if_skipped)
+        return await self._worker.run(
+            self._held, self._decide_retrieval, query, threshold, answer_if_skipped
+        )
 
     async def ajudge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
         """Answer from every paragraph in one batched pass and score each answer."""
-        return await self._worker.run(self._judge, query, paragraphs)
+        return await self._worker.run(self._held, self._judge, query, paragraphs)
 
     async def agenerate(self, query: str) -> str:
         """Answer with no evidence: greedy continuation after ``[No Retrieval]``."""
-        return await self._worker.run(self._generate, query)
+        return await self._worker.run(self._held, self._generate, query)
 
     def close(self) -> None:
         """Wait for running work, then free the critic's llama.cpp context (the ``Llama``
         itself stays open)."""
         self._worker.close()
         self.decoder.close()
+
+    def _held(self, func: Callable[..., T], *args: Any) -> T:
+        """Run ``func`` holding the decoder, so the model cannot be closed half-way."""
+        with self.decoder.hold():
+            return func(*args)
 
     # --- tokens ----------------------------------------------------------------------------------
 

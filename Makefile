@@ -13,7 +13,14 @@ export TOKENIZERS_PARALLELISM := false
 
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench clean
+# The suite also runs on llama-index-core 0.14.20, the last core with `llama_pack` and
+# `llama_index.core.download`: a second virtualenv with the same install, core pinned.
+OLD_CORE ?= 0.14.20
+OLD_VENV ?= .venv-core$(OLD_CORE)
+OLD_BIN := $(OLD_VENV)/bin
+OLD_STAMP := $(OLD_VENV)/.installed
+
+.PHONY: venv demo test lint bench clean test-core-$(OLD_CORE)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -34,11 +41,23 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: lint
+test: lint test-core-$(OLD_CORE)
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+$(OLD_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(OLD_VENV)
+	$(OLD_BIN)/python -m pip install -q --upgrade pip
+	$(OLD_BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(OLD_BIN)/python -m pip install -q -e ".[all,dev]" "llama-index-core==$(OLD_CORE)"
+	$(OLD_BIN)/python -m pip install -q --no-deps dsrag==0.5.6
+	touch $@
+
+test-core-$(OLD_CORE): $(OLD_STAMP)
+	$(OLD_BIN)/python -c "import llama_index.core as c; assert c.__version__ == '$(OLD_CORE)', c.__version__"
+	$(OLD_BIN)/pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	for f in benchmarks/bench_*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(OLD_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from llama_index.packs.self_rag_rse.download import download_llama_pack
     from llama_index.packs.self_rag_rse.pack import SelfRAGPack
     from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_INDEX_KEY, ChunkIndexer
     from llama_index.packs.self_rag_rse.rse.plot import plot_segments
@@ -43,9 +44,10 @@ _EXPORTS = {
     "get_preset": "rse.segments",
     "PRESETS": "rse.segments",
     "plot_segments": "rse.plot",
+    "download_llama_pack": "download",
 }
 
-__all__ = ["CHUNK_INDEX_KEY", "PRESETS", "ChunkIndexer", "Critic", "CriticBackend", "ParagraphJudgement", "PromptedCritic", "ReflectionCritic", "RelevantSegmentPostprocessor", "RetrievalDecision", "SelfRAGPack", "SelfRAGQueryEngine", "find_best_segments", "get_preset", "plot_segments"]  # fmt: skip  # noqa: E501
+__all__ = ["CHUNK_INDEX_KEY", "PRESETS", "ChunkIndexer", "Critic", "CriticBackend", "ParagraphJudgement", "PromptedCritic", "ReflectionCritic", "RelevantSegmentPostprocessor", "RetrievalDecision", "SelfRAGPack", "SelfRAGQueryEngine", "download_llama_pack", "find_best_segments", "get_preset", "plot_segments"]  # fmt: skip  # noqa: E501
 
 
 def __getattr__(name: str) -> Any:

@@ -32,7 +32,8 @@ def build(n_chunks: int, n_docs: int, dim: int, indexed: bool, seed: int = 0):
         walk = np.cumsum(rng.normal(size=(per_doc, dim)), axis=0)
         walk /= np.linalg.norm(walk, axis=1, keepdims=True)
         for i in range(per_doc):
-            text = f"document {d} chunk {i} " + "lorem ipsum " * 40
+            # Fixed-width numbers: every chunk has the same length, so the offsets are true.
+            text = f"document {d:03d} chunk {i:06d} " + "lorem ipsum " * 40
             node = TextNode(
                 text=text,
                 embedding=walk[i].tolist(),

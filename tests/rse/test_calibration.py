@@ -11,10 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llama_index.packs.self_rag_rse.rse.calibration import (
+    CALIBRATIONS,
     COHERE_RERANK_BETA,
+    DEFAULT_COSINE_RANGE,
     VOYAGE_RERANK_BETA,
     BetaParams,
     beta_cdf,
+    calibrate,
     calibrate_beta,
     calibrate_minmax,
 )
@@ -151,3 +154,28 @@ def test_calibrate_minmax() -> None:
     assert isinstance(calibrate_minmax(0.3, 0.2, 0.4), float)
     with pytest.raises(ValueError, match="high > low"):
         calibrate_minmax([0.5], low=0.8, high=0.8)
+
+
+# -- the registry: every calibration named once ---------------------------------------------------
+
+
+def test_calibrate_dispatches_by_name():
+    scores = np.array([-0.2, 0.05, 0.3, 0.55, 0.97])
+    assert sorted(CALIBRATIONS) == ["cohere", "cosine", "raw", "voyage"]
+    np.testing.assert_array_equal(
+        calibrate("cosine", scores), calibrate_minmax(scores, *DEFAULT_COSINE_RANGE)
+    )
+    np.testing.assert_array_equal(calibrate("cosine", scores, (0.0, 1.0)), np.clip(scores, 0, 1))
+    np.testing.assert_array_equal(calibrate("raw", scores), scores)
+    np.testing.assert_array_equal(
+        calibrate("cohere", scores), calibrate_beta(scores, *COHERE_RERANK_BETA)
+    )
+    np.testing.assert_array_equal(
+        calibrate("voyage", scores), calibrate_beta(scores, *VOYAGE_RERANK_BETA)
+    )
+    np.testing.assert_array_equal(calibrate(lambda s: s / 2, scores), scores / 2)
+
+
+def test_unknown_calibration_names_the_valid_ones():
+    with pytest.raises(ValueError, match=r"'softmax'.*cohere.*cosine.*raw.*voyage"):
+        calibrate("softmax", [0.5])

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
+import logging
+import math
 import warnings
 
 import pytest
-from corpus import CORPUS, corpus_documents, qdrant_index
+from corpus import CORPUS, corpus_documents
 from llama_index.core import VectorStoreIndex
 from llama_index.core.llms import MockLLM
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeRelationship, NodeWithScore, RelatedNodeInfo, TextNode
-from llama_index.core.storage.docstore import SimpleDocumentStore
 
 from llama_index.packs.self_rag_rse import ChunkIndexer, RelevantSegmentPostprocessor
+from llama_index.packs.self_rag_rse.rse.postprocessor import Segment, SegmentExtraction
 
 QUERY = 'The "while" statement: loop while an expression is true, else clause, break, continue'
 
@@ -27,6 +28,20 @@ def same_but_whitespace(a: str, b: str) -> bool:
     return len(a) == len(b) and all(
         x == y or (x.isspace() and y.isspace()) for x, y in zip(a, b, strict=True)
     )
+
+
+def assert_true_text(result: list[NodeWithScore], text: str) -> None:
+    """Every node reporting a character range holds exactly that span of ``text`` (only
+    whitespace a splitter stripped may differ in kind), and no node holds text ``text`` lacks."""
+    for item in result:
+        node = item.node
+        char_range = node.metadata["segment_char_range"]
+        if char_range is not None:
+            start, end = char_range
+            assert same_but_whitespace(node.get_content(), text[start:end])
+            assert (node.start_char_idx, node.end_char_idx) == (start, end)
+        squeezed = " ".join(node.get_content().split())
+        assert squeezed in " ".join(text.split())
 
 
 def assert_exact_segments(result: list[NodeWithScore]) -> None:
@@ -43,29 +58,6 @@ def assert_exact_segments(result: list[NodeWithScore]) -> None:
         first, last = meta["segment_chunk_range"]
         assert last - first == len(meta["segment_node_ids"])
         assert item.score == pytest.approx(meta["segment_value"])
-
-
-@pytest.fixture(scope="module")
-def indexed(corpus_nodes, minilm):
-    return qdrant_index(corpus_nodes, minilm, collection="indexed")
-
-
-@pytest.fixture(scope="module")
-def unindexed(corpus_nodes, minilm):
-    return qdrant_index(corpus_nodes, minilm, keep_chunk_index=False, collection="plain")
-
-
-def test_chunk_indexer_numbers_each_document_in_order(corpus_nodes):
-    by_doc: dict[str, list] = {}
-    for node in corpus_nodes:
-        by_doc.setdefault(node.ref_doc_id, []).append(node)
-    for nodes in by_doc.values():
-        ordered = sorted(nodes, key=lambda n: n.metadata["chunk_index"])
-        assert [n.metadata["chunk_index"] for n in ordered] == list(range(len(nodes)))
-        starts = [n.start_char_idx for n in ordered]
-        assert starts == sorted(starts)
-        assert "chunk_index" in nodes[0].excluded_embed_metadata_keys
-        assert "chunk_index" in nodes[0].excluded_llm_metadata_keys
 
 
 def test_qdrant_with_chunk_index_reads_only_gaps_in_one_call(indexed):
@@ -166,42 +158,12 @@ def test_emits_rerank_events(indexed, events):
 # -- bad and unusual input ---------------------------------------------------------------------
 
 
-def make_doc_nodes(doc_id: str, n: int, *, indexed: bool = True, text_len: int = 20):
-    """n consecutive chunks of a synthetic document with exact character offsets."""
-    nodes = []
-    for i in range(n):
-        text = f"{doc_id}-{i:06d}".ljust(text_len, ".")
-        node = TextNode(
-            id_=f"{doc_id}-{i}",
-            text=text,
-            start_char_idx=i * text_len,
-            end_char_idx=(i + 1) * text_len,
-            relationships={NodeRelationship.SOURCE: RelatedNodeInfo(node_id=doc_id)},
-        )
-        if indexed:
-            node.metadata["chunk_index"] = i
-        nodes.append(node)
-    for a, b in itertools.pairwise(nodes):
-        a.relationships[NodeRelationship.NEXT] = RelatedNodeInfo(node_id=b.node_id)
-        b.relationships[NodeRelationship.PREVIOUS] = RelatedNodeInfo(node_id=a.node_id)
-    return nodes
-
-
-def docstore_with(nodes) -> SimpleDocumentStore:
-    store = SimpleDocumentStore()
-    store.add_documents(nodes)
-    for node in nodes:  # what an index's docstore records per document
-        info = store.get_ref_doc_info(node.ref_doc_id)
-        assert info is not None
-    return store
-
-
 def test_empty_input_returns_empty():
     assert RelevantSegmentPostprocessor().postprocess_nodes([]) == []
 
 
-def test_single_node_without_store_is_its_own_segment():
-    node = make_doc_nodes("solo", 1)[0]
+def test_single_node_without_store_is_its_own_segment(doc_nodes):
+    node = doc_nodes("solo", 1)[0]
     result = RelevantSegmentPostprocessor(calibration="raw").postprocess_nodes(
         [NodeWithScore(node=node, score=0.9)]
     )
@@ -210,8 +172,8 @@ def test_single_node_without_store_is_its_own_segment():
     assert result[0].score == pytest.approx(0.9 - 0.18)
 
 
-def test_no_store_joins_only_retrieved_adjacent_chunks():
-    nodes = make_doc_nodes("doc", 10)
+def test_no_store_joins_only_retrieved_adjacent_chunks(doc_nodes):
+    nodes = doc_nodes("doc", 10)
     hits = [NodeWithScore(node=nodes[i], score=0.9) for i in (2, 3, 4, 7)]
     result = RelevantSegmentPostprocessor(calibration="raw").postprocess_nodes(hits)
     ranges = [r.node.metadata["segment_chunk_range"] for r in result]
@@ -219,8 +181,8 @@ def test_no_store_joins_only_retrieved_adjacent_chunks():
     assert all(not (a < 6 < b) for a, b in ranges)  # never across the unread chunks 5, 6
 
 
-def test_docstore_fills_gap_between_hits():
-    nodes = make_doc_nodes("doc", 10)
+def test_docstore_fills_gap_between_hits(doc_nodes, docstore_with):
+    nodes = doc_nodes("doc", 10)
     hits = [NodeWithScore(node=nodes[i], score=0.9) for i in (2, 4)]
     rse = RelevantSegmentPostprocessor(docstore=docstore_with(nodes), calibration="raw")
     result = rse.postprocess_nodes(hits)
@@ -228,8 +190,8 @@ def test_docstore_fills_gap_between_hits():
     assert result[0].node.get_content() == "".join(n.text for n in nodes[2:5])
 
 
-def test_none_and_negative_scores():
-    nodes = make_doc_nodes("doc", 6)
+def test_none_and_negative_scores(doc_nodes, docstore_with):
+    nodes = doc_nodes("doc", 6)
     store = docstore_with(nodes)
     rse = RelevantSegmentPostprocessor(docstore=store)
     # No scores at all: ranks alone decide; a contiguous run of hits becomes one segment.
@@ -244,19 +206,19 @@ def test_none_and_negative_scores():
         rse.postprocess_nodes(mixed)
 
 
-def test_nan_score_is_an_error():
-    node = make_doc_nodes("doc", 1)[0]
+def test_nan_score_is_an_error(doc_nodes):
+    node = doc_nodes("doc", 1)[0]
     with pytest.raises(ValueError, match="NaN"):
         RelevantSegmentPostprocessor().postprocess_nodes(
             [NodeWithScore(node=node, score=float("nan"))]
         )
 
 
-def test_many_documents_and_one_chunk_documents():
+def test_many_documents_and_one_chunk_documents(doc_nodes, docstore_with):
     nodes = []
     hits = []
     for d in range(15):
-        doc = make_doc_nodes(f"d{d}", 1 if d % 2 else 4)
+        doc = doc_nodes(f"d{d}", 1 if d % 2 else 4)
         nodes += doc
         hits += [NodeWithScore(node=n, score=0.95 - 0.01 * d) for n in doc]
     rse = RelevantSegmentPostprocessor(docstore=docstore_with(nodes), calibration="raw")
@@ -274,10 +236,10 @@ def test_many_documents_and_one_chunk_documents():
         )
 
 
-def test_huge_document_reads_only_what_segments_need():
+def test_huge_document_reads_only_what_segments_need(doc_nodes):
     from llama_index.core.vector_stores import SimpleVectorStore
 
-    nodes = make_doc_nodes("huge", 100_000)
+    nodes = doc_nodes("huge", 100_000)
     by_index = {n.metadata["chunk_index"]: n for n in nodes}
     hit_ids = (10, 12, 50_000, 99_990, 99_991)
     hits = [NodeWithScore(node=nodes[i], score=0.9) for i in hit_ids]
@@ -309,9 +271,9 @@ def test_unknown_preset_and_bad_lengths():
         RelevantSegmentPostprocessor(calibration="softmax")
 
 
-def test_nodes_without_source_pass_through_or_raise():
+def test_nodes_without_source_pass_through_or_raise(doc_nodes):
     orphan = NodeWithScore(node=TextNode(text="orphan"), score=0.5)
-    placed = make_doc_nodes("doc", 1)[0]
+    placed = doc_nodes("doc", 1)[0]
     items = [orphan, NodeWithScore(node=placed, score=0.9)]
     with pytest.warns(UserWarning, match="no source document"):
         result = RelevantSegmentPostprocessor(calibration="raw").postprocess_nodes(items)
@@ -359,16 +321,6 @@ def test_store_that_cannot_read_gaps_degrades_without_skipping_text(indexed, cap
     assert_exact_segments(result)
 
 
-def test_plot_segments_writes_png(indexed, tmp_path):
-    from llama_index.packs.self_rag_rse import plot_segments
-
-    retrieved = indexed.as_retriever(similarity_top_k=10).retrieve(QUERY)
-    extraction = RelevantSegmentPostprocessor(index=indexed).extract(retrieved)
-    path = plot_segments(extraction, tmp_path / "rse.png")
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert path.stat().st_size > 5_000
-
-
 def test_warnings_are_not_raised_for_clean_input(indexed):
     retrieved = indexed.as_retriever(similarity_top_k=10).retrieve(QUERY)
     with warnings.catch_warnings():
@@ -391,3 +343,179 @@ def test_documents_helper_round_trip():
     # every non-space character and the exact offsets.
     assert result[0].node.get_content().split() == text[start:end].split()
     assert len(result[0].node.get_content()) == end - start
+
+
+def test_old_import_path_keeps_the_types():
+    assert Segment.__module__.endswith("rse.types")
+    assert SegmentExtraction.__module__.endswith("rse.types")
+
+
+# -- options: misspelt and non-finite values are errors ------------------------------------------
+
+
+def test_unknown_option_names_itself_and_the_closest_valid_one():
+    with pytest.raises(TypeError, match="irrelevant_chunk_penality") as error:
+        RelevantSegmentPostprocessor(irrelevant_chunk_penality=0.3)
+    assert "did you mean 'irrelevant_chunk_penalty'" in str(error.value)
+    with pytest.raises(TypeError, match="did you mean 'docstore'"):
+        RelevantSegmentPostprocessor(doc_store=None)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "named"),
+    [
+        ("minimum_value", math.nan, "minimum_value"),
+        ("irrelevant_chunk_penalty", math.inf, "irrelevant_chunk_penalty"),
+        ("decay_rate", -math.inf, "decay_rate"),
+        ("cosine_range", (math.nan, 0.5), "cosine_range"),
+        ("cosine_range", (0.1, math.inf), "cosine_range"),
+    ],
+)
+def test_non_finite_options_are_errors(option, value, named):
+    with pytest.raises(ValueError, match=named):
+        RelevantSegmentPostprocessor(**{option: value})
+
+
+def test_nan_score_next_to_a_missing_score_is_an_error(doc_nodes):
+    nodes = doc_nodes("doc", 2)
+    items = [NodeWithScore(node=nodes[0], score=None), NodeWithScore(node=nodes[1], score=math.nan)]
+    with pytest.raises(ValueError, match="NaN"):
+        RelevantSegmentPostprocessor(calibration="raw").postprocess_nodes(items)
+
+
+# -- holes in a document's order -----------------------------------------------------------------
+
+
+def hits_on(nodes, *which, score=0.9):
+    return [NodeWithScore(node=nodes[i], score=score) for i in which]
+
+
+def test_docstore_with_a_deleted_chunk_splits_the_segment_there(split, docstore_with, caplog):
+    nodes = split(64, 0)  # no chunk index: the docstore's record orders the document
+    store = docstore_with(nodes)
+    store.delete_document(nodes[3].node_id)  # also drops it from the document's record
+    rse = RelevantSegmentPostprocessor(docstore=store, calibration="raw")
+    with caplog.at_level(logging.WARNING):
+        result = rse.postprocess_nodes(hits_on(nodes, 2, 4))
+    assert caplog.text.count("hole") >= 1 and "Fix:" in caplog.text
+    member_sets = [set(r.node.metadata["segment_node_ids"]) for r in result]
+    assert {nodes[2].node_id} in member_sets and {nodes[4].node_id} in member_sets
+    assert all(nodes[3].get_content()[:40] not in r.node.get_content() for r in result)
+    assert_true_text(result, source_text("execmodel"))
+    # The chunk before the hole keeps its true index; past the hole it is not known for sure.
+    ranges = {r.node.metadata["segment_node_ids"][0]: r.node.metadata for r in result}
+    assert ranges[nodes[2].node_id]["segment_chunk_range"] == [2, 3]
+    extraction = rse.extract(hits_on(nodes, 2, 4))
+    assert extraction.holes and "lacks" in extraction.holes[0].reason
+
+
+def test_deleted_chunk_found_by_offsets_alone(split, docstore_with):
+    nodes = [n.model_copy(deep=True) for n in split(64, 0)]
+    for node in nodes:  # no links: only the offsets can tell
+        node.relationships.pop(NodeRelationship.NEXT, None)
+        node.relationships.pop(NodeRelationship.PREVIOUS, None)
+    store = docstore_with(nodes)
+    store.delete_document(nodes[3].node_id)
+    rse = RelevantSegmentPostprocessor(docstore=store, calibration="raw")
+    result = rse.postprocess_nodes(hits_on(nodes, 2, 4))
+    assert all(len(r.node.metadata["segment_node_ids"]) == 1 for r in result)
+    assert_true_text(result, source_text("execmodel"))
+    assert any("gap" in h.reason for h in rse.extract(hits_on(nodes, 2, 4)).holes)
+
+
+def test_deleted_chunk_between_two_hits_read_back_is_not_joined(split, docstore_with):
+    # Chunk 4 is gone; the hits (2 and 6) do not touch it, so only chunks read back show it.
+    nodes = split(64, 0)
+    store = docstore_with(nodes)
+    store.delete_document(nodes[4].node_id)
+    rse = RelevantSegmentPostprocessor(
+        docstore=store, calibration="raw", irrelevant_chunk_penalty=0.05
+    )
+    result = rse.postprocess_nodes(hits_on(nodes, 2, 6, score=1.0))
+    assert result
+    for item in result:
+        ids = item.node.metadata["segment_node_ids"]
+        assert not (nodes[3].node_id in ids and nodes[5].node_id in ids)
+    assert_true_text(result, source_text("execmodel"))
+
+
+@pytest.mark.parametrize("shift", [-20, 20, 200])
+@pytest.mark.parametrize("overlap", [0, 24])
+def test_wrong_offsets_never_drop_or_invent_text(split, docstore_with, shift, overlap):
+    nodes = [n.model_copy(deep=True) for n in split(96, overlap)]
+    k = 5
+    nodes[k].start_char_idx += shift  # wrong but length-consistent, in the store and the hits
+    nodes[k].end_char_idx += shift
+    rse = RelevantSegmentPostprocessor(docstore=docstore_with(nodes), calibration="raw")
+    result = rse.postprocess_nodes(hits_on(nodes, k - 1, k, k + 1))
+    text = source_text("execmodel")
+    assert_true_text(result, text)
+    joined = " ".join(" ".join(r.node.get_content().split()) for r in result)
+    for node in nodes[k - 1 : k + 2]:  # nothing dropped
+        assert " ".join(node.get_content().split()) in joined
+    for item in result:  # no range for text placed by the wrong chunk's offsets
+        if nodes[k].node_id in item.node.metadata["segment_node_ids"]:
+            assert item.node.metadata["segment_char_range"] is None
+
+
+def test_segment_split_at_a_hole_found_only_when_stitching(doc_nodes):
+    from llama_index.packs.self_rag_rse.rse.segment_nodes import segment_nodes
+
+    members = doc_nodes("doc", 4)
+    for node in members[2:]:  # text of 30 characters between chunks 1 and 2 that no chunk has
+        node.start_char_idx += 30
+        node.end_char_idx += 30
+    for node in members:
+        node.relationships.pop(NodeRelationship.NEXT, None)
+        node.relationships.pop(NodeRelationship.PREVIOUS, None)
+    parts = segment_nodes(Segment("doc", 0, 4, 2.0, members, (0, 4)), "chunk_index")
+    assert [p.metadata["segment_node_ids"] for p in parts] == [
+        ["doc-0", "doc-1"],
+        ["doc-2", "doc-3"],
+    ]
+    assert [p.metadata["segment_chunk_range"] for p in parts] == [[0, 2], [2, 4]]
+    assert [p.metadata["segment_char_range"] for p in parts] == [[0, 40], [70, 110]]
+    assert parts[1].get_content() == "doc-000002..........doc-000003.........."
+    assert "gap" in parts[0].metadata["segment_breaks"][0]
+
+
+def test_links_only_positions_report_no_chunk_range(split):
+    nodes = split(64, 0)
+    result = RelevantSegmentPostprocessor(calibration="raw").postprocess_nodes(hits_on(nodes, 2, 3))
+    (only,) = result
+    assert only.node.metadata["segment_node_ids"] == [nodes[2].node_id, nodes[3].node_id]
+    assert only.node.metadata["segment_chunk_range"] is None  # not the renumbered [0, 2]
+
+
+def test_links_only_positions_report_stamped_indices(split):
+    nodes = [n.model_copy(deep=True) for n in split(64, 0)]
+    ChunkIndexer()(nodes)
+    del nodes[9].metadata["chunk_index"]  # one hit unstamped: order comes from links
+    result = RelevantSegmentPostprocessor(calibration="raw").postprocess_nodes(
+        hits_on(nodes, 2, 3, 9)
+    )
+    ranges = {tuple(r.node.metadata["segment_node_ids"]): r for r in result}
+    joined = ranges[(nodes[2].node_id, nodes[3].node_id)]
+    assert joined.node.metadata["segment_chunk_range"] == [2, 4]
+    assert ranges[(nodes[9].node_id,)].node.metadata["segment_chunk_range"] is None
+
+
+# -- an empty answer says why ---------------------------------------------------------------------
+
+
+def test_nothing_worth_minimum_value_is_explained(doc_nodes, docstore_with, caplog):
+    nodes = doc_nodes("doc", 6)
+    rse = RelevantSegmentPostprocessor(docstore=docstore_with(nodes), calibration="raw")
+    weak = hits_on(nodes, 1, 3, score=0.5)  # 0.5 - 0.18 each, never joined: 0.32 < 0.5
+    with caplog.at_level(logging.INFO):
+        assert rse.postprocess_nodes(weak) == []
+    notes = [r for r in caplog.records if "RSE kept none" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].levelno == logging.INFO
+    note = rse.extract(weak).note
+    assert note is not None
+    assert "of 2 nodes" in note and "best segment value 0.444 < minimum_value 0.5" in note
+    assert "lower minimum_value or irrelevant_chunk_penalty" in note
+    negative = rse.extract(hits_on(nodes, 1, score=-0.3))
+    assert negative.note is not None and "irrelevant_chunk_penalty 0.18" in negative.note
+    assert rse.extract(hits_on(nodes, 1, 2, 3)).note is None  # segments found: nothing to say
+    assert rse.extract([]).note is None

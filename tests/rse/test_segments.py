@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llama_index.packs.self_rag_rse import segments as segments_module
+from llama_index.packs.self_rag_rse.rse import segments as segments_module
 from llama_index.packs.self_rag_rse.rse.segments import (
     PRESETS,
     RSEPreset,

@@ -193,3 +193,36 @@ def test_model_without_reflection_tokens_falls_back_quietly(tiny_llm_plain):
         engine = SelfRAGQueryEngine(llm=tiny_llm_plain, retriever=FixedRetriever())
     assert engine.critic.name == "prompted"
     engine.close()
+
+
+def test_rse_keeping_nothing_is_explained_in_the_trace():
+    from llama_index.core.schema import NodeRelationship, RelatedNodeInfo
+
+    from llama_index.packs.self_rag_rse import RelevantSegmentPostprocessor
+
+    nodes = []
+    for i in range(3):
+        text = f"chunk {i} " + "text " * 10
+        node = TextNode(
+            id_=f"c{i}",
+            text=text,
+            start_char_idx=i * len(text),
+            end_char_idx=(i + 1) * len(text),
+            metadata={"chunk_index": i},
+        )
+        node.relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id="doc")
+        nodes.append(NodeWithScore(node=node, score=0.3))
+    critic = Recording()
+    engine = SelfRAGQueryEngine(
+        retriever=FixedRetriever(nodes),
+        critic=critic,
+        node_postprocessors=[RelevantSegmentPostprocessor(minimum_value=5.0)],
+    )
+    meta = engine.query("q").metadata["self_rag"]
+    retrieve = next(e for e in meta["trace"] if e["step"] == "retrieve")
+    assert retrieve["dropped_by"] == "RelevantSegmentPostprocessor"
+    assert retrieve["reason"].startswith(
+        "RelevantSegmentPostprocessor kept none of the 3 retrieved nodes: "
+    )
+    assert "minimum_value" in retrieve["reason"]
+    assert critic.paragraphs == []

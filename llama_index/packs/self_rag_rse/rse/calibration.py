@@ -1,8 +1,8 @@
 """Turn raw relevance scores into absolute relevance in [0, 1] for RSE.
 
-RSE's chunk value (:func:`~llama_index.packs.self_rag_rse.rse.segments.chunk_value`) multiplies a rank
-decay by the chunk's *absolute* relevance and subtracts a fixed penalty, so the scores must mean
-the same thing from query to query and spread over [0, 1]. Raw scores rarely do:
+RSE's chunk value (:func:`~llama_index.packs.self_rag_rse.rse.values.chunk_value`) multiplies
+a rank decay by the chunk's *absolute* relevance and subtracts a fixed penalty, so the scores
+must mean the same thing from query to query and spread over [0, 1]. Raw scores rarely do:
 
 - Cohere rerankers push most scores to the extremes: :data:`COHERE_RERANK_BETA` (the CDF of
   Beta(0.4, 0.4)) spreads them out, as dsRAG does.
@@ -12,22 +12,27 @@ the same thing from query to query and spread over [0, 1]. Raw scores rarely do:
   relevant one (``high``), measured on your own data.
 
 Other rerankers: look at a histogram of their scores on your data and pick a Beta whose CDF maps
-it close to uniform. Numpy only (no scipy).
+it close to uniform. :data:`CALIBRATIONS` names each calibration once; :func:`calibrate` applies a
+name or a callable. Numpy only (no scipy).
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, overload
+from collections.abc import Callable
+from typing import Any, NamedTuple, overload
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 __all__ = [
+    "CALIBRATIONS",
     "COHERE_RERANK_BETA",
+    "DEFAULT_COSINE_RANGE",
     "VOYAGE_RERANK_BETA",
     "BetaParams",
     "beta_cdf",
+    "calibrate",
     "calibrate_beta",
     "calibrate_minmax",
 ]
@@ -188,3 +193,66 @@ def calibrate_minmax(scores: ArrayLike, low: float, high: float) -> float | Floa
     if clipped.ndim == 0:
         return float(clipped)
     return clipped
+
+
+#: Cosine similarities of all-MiniLM/BGE-class embedders mapped linearly onto [0, 1]: unrelated
+#: passages score about 0.1 with these models, clearly relevant ones 0.5 and above (see README).
+DEFAULT_COSINE_RANGE = (0.1, 0.5)
+
+#: A calibration by name: maps an array of scores (and the cosine range, which only ``cosine``
+#: reads) to relevance in [0, 1].
+Calibrator = Callable[[FloatArray, tuple[float, float]], FloatArray]
+
+
+def _cosine(scores: FloatArray, cosine_range: tuple[float, float]) -> FloatArray:
+    return np.asarray(calibrate_minmax(scores, *cosine_range), dtype=np.float64)
+
+
+def _raw(scores: FloatArray, cosine_range: tuple[float, float]) -> FloatArray:
+    return np.asarray(scores, dtype=np.float64)
+
+
+def _cohere(scores: FloatArray, cosine_range: tuple[float, float]) -> FloatArray:
+    return np.asarray(calibrate_beta(scores, *COHERE_RERANK_BETA), dtype=np.float64)
+
+
+def _voyage(scores: FloatArray, cosine_range: tuple[float, float]) -> FloatArray:
+    return np.asarray(calibrate_beta(scores, *VOYAGE_RERANK_BETA), dtype=np.float64)
+
+
+CALIBRATIONS: dict[str, Calibrator] = {
+    "cosine": _cosine,
+    "raw": _raw,
+    "cohere": _cohere,
+    "voyage": _voyage,
+}
+"""Every calibration by name: ``cosine`` (linear over the cosine range, for embedding
+similarity), ``raw`` (scores used as they are), ``cohere`` / ``voyage`` (dsRAG's Beta CDFs)."""
+
+
+def check_calibration(method: Any) -> None:
+    """Raise ``ValueError`` unless ``method`` names a calibration or is a callable."""
+    if callable(method) or (isinstance(method, str) and method in CALIBRATIONS):
+        return
+    raise ValueError(
+        f"unknown calibration {method!r}: use one of {sorted(CALIBRATIONS)} or a callable "
+        "mapping a numpy array of scores to relevance in [0, 1]"
+    )
+
+
+def calibrate(
+    method: str | Callable[[FloatArray], ArrayLike],
+    scores: ArrayLike,
+    cosine_range: tuple[float, float] = DEFAULT_COSINE_RANGE,
+) -> FloatArray:
+    """Turn ``scores`` into relevance with the calibration named ``method`` (or a callable).
+
+    A callable gets the scores as a float64 array and must return one relevance per score.
+    ``cosine_range`` is ``(low, high)`` for ``"cosine"``: similarities at or below ``low`` count
+    0, at or above ``high`` 1.
+    """
+    check_calibration(method)
+    values = np.asarray(scores, dtype=np.float64)
+    if callable(method):
+        return np.asarray(method(values), dtype=np.float64)
+    return CALIBRATIONS[method](values, cosine_range)

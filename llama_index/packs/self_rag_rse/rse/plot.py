@@ -1,7 +1,9 @@
 """Draw chunk values along each document with the chosen segments shaded.
 
 Useful to see what ``irrelevant_chunk_penalty`` does: raise it and the bars sink, the shaded
-spans shrink. Needs matplotlib (``pip install "llama-index-packs-self-rag-rse[plot]"``).
+spans shrink. Needs matplotlib (``pip install "llama-index-packs-self-rag-rse[plot]"``). The
+figure is drawn on its own Agg canvas, never through pyplot, so the caller's backend and open
+figures are left alone.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from llama_index.packs.self_rag_rse.common.optional import optional_import
+
 if TYPE_CHECKING:
-    from llama_index.packs.self_rag_rse.rse.postprocessor import SegmentExtraction
+    from llama_index.packs.self_rag_rse.rse.types import SegmentExtraction
 
 
 def plot_segments(
@@ -27,40 +31,28 @@ def plot_segments(
 ) -> Path:
     """Write a PNG of chunk values (bars) with the extracted segments shaded; return its path.
 
-    Pass either the :class:`SegmentExtraction` returned by
+    Pass either the :class:`~llama_index.packs.self_rag_rse.SegmentExtraction` returned by
     ``RelevantSegmentPostprocessor.extract(nodes)``, or the raw ``values`` / ``segments`` /
     ``document_splits`` that ``find_best_segments`` took and returned (segment ends exclusive).
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:  # pragma: no cover - exercised only without the extra
-        raise ImportError(
-            'plot_segments needs matplotlib: pip install "llama-index-packs-self-rag-rse[plot]"'
-        ) from error
+    figure_module: Any = optional_import("matplotlib.figure", "plot_segments")
+    agg: Any = optional_import("matplotlib.backends.backend_agg", "plot_segments")
 
     labels: list[str] = []
     if extraction is not None:
         values = list(extraction.values)
         document_splits = extraction.document_splits
-        starts = [0, *document_splits[:-1]]
-        segments = []
-        for segment in extraction.segments:
-            for region, offset in zip(extraction.regions, starts, strict=True):
-                if region.doc_id == segment.doc_id and segment.start in region.positions:
-                    first = offset + region.positions.index(segment.start)
-                    segments.append((first, first + segment.end - segment.start))
-                    break
+        found = (extraction.offsets(segment) for segment in extraction.segments)
+        segments = [span for span in found if span is not None]
         labels = [f"{r.doc_id[:16]} @{r.positions[0]}" for r in extraction.regions]
     if values is None:
         raise ValueError("pass a SegmentExtraction or values=...")
     data = np.asarray(values, dtype=float)
     splits = list(document_splits) if document_splits else [len(data)]
 
-    fig: Any
-    fig, ax = plt.subplots(figsize=(max(6.0, min(24.0, len(data) * 0.12)), 3.2))
+    fig = figure_module.Figure(figsize=(max(6.0, min(24.0, len(data) * 0.12)), 3.2))
+    agg.FigureCanvasAgg(fig)  # attaches itself to the figure: savefig renders with Agg
+    ax = fig.add_subplot()
     colors = np.where(data >= 0, "#2b7bba", "#c44e52")
     ax.bar(np.arange(len(data)), data, width=0.85, color=colors)
     for start, end in segments or []:
@@ -76,5 +68,4 @@ def plot_segments(
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out

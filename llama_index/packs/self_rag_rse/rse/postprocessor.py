@@ -4,16 +4,17 @@ Retrieval returns fragments; the answer usually lives in a contiguous passage. R
 chunk of the documents that were hit (retrieved chunks by rank and relevance, the chunks between
 them by a small penalty), finds the spans with the largest total value, and returns each span as
 one node holding the exact document text, the chunks between hits read back from the docstore or
-the vector store.
+the vector store. Where the evidence on the nodes shows a hole in a document's order (a deleted
+chunk, offsets the texts contradict), segments stop at the hole instead of papering over it.
 """
 
 from __future__ import annotations
 
 import logging
-import uuid
+import math
 import warnings
-from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -21,91 +22,66 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.events.rerank import ReRankEndEvent, ReRankStartEvent
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
-from llama_index.core.schema import (
-    BaseNode,
-    NodeRelationship,
-    NodeWithScore,
-    QueryBundle,
-    TextNode,
-)
+from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle
 from llama_index.core.storage.docstore.types import BaseDocumentStore
 from llama_index.core.vector_stores.types import BasePydanticVectorStore
 
+from llama_index.packs.self_rag_rse.common.notes import record_note
+from llama_index.packs.self_rag_rse.common.options import (
+    pydantic_fields,
+    reject_unknown,
+    require_finite,
+)
 from llama_index.packs.self_rag_rse.rse.calibration import (
-    COHERE_RERANK_BETA,
-    VOYAGE_RERANK_BETA,
-    calibrate_beta,
-    calibrate_minmax,
+    DEFAULT_COSINE_RANGE,
+    calibrate,
+    check_calibration,
 )
 from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_INDEX_KEY
-from llama_index.packs.self_rag_rse.rse.chunk_sources import ChunkRequest, ChunkSource, nodes_by_id
+from llama_index.packs.self_rag_rse.rse.chunk_sources import ChunkRequest, ChunkSource
+from llama_index.packs.self_rag_rse.rse.ordering import (
+    DocumentLayout,
+    chunk_index,
+    lay_out,
+    missing_positions,
+    place_read,
+    read_missing,
+)
+from llama_index.packs.self_rag_rse.rse.segment_nodes import SEGMENT_METADATA_KEYS, segment_nodes
 from llama_index.packs.self_rag_rse.rse.segments import (
     adjust_for_length,
     chunk_value,
     find_best_segments,
     get_preset,
 )
-from llama_index.packs.self_rag_rse.rse.stitching import stitch_chunks
+from llama_index.packs.self_rag_rse.rse.types import (
+    DocumentRegion,
+    Hole,
+    Segment,
+    SegmentExtraction,
+)
+
+# Re-exported so that imports from this module keep working after the types moved out.
+__all__ = [
+    "DEFAULT_COSINE_RANGE",
+    "SEGMENT_METADATA_KEYS",
+    "DocumentRegion",
+    "Hole",
+    "RelevantSegmentPostprocessor",
+    "Segment",
+    "SegmentExtraction",
+]
 
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
 
-#: Cosine similarities of all-MiniLM/BGE-class embedders mapped linearly onto [0, 1]; see README.
-DEFAULT_COSINE_RANGE = (0.1, 0.5)
-#: Metadata keys written on segment nodes (hidden from embedding and LLM text).
-SEGMENT_METADATA_KEYS = (
-    "segment_document_id",
-    "segment_chunk_range",
-    "segment_char_range",
-    "segment_node_ids",
-    "segment_value",
-)
+#: Most rounds of reading chunks between hits. One round suffices unless a read reveals a hole
+#: and the search, run again, wants chunks it did not want before; the bound keeps a store that
+#: keeps revealing holes from costing a read per chunk.
+MAX_READ_ROUNDS = 3
 
-Calibration = Literal["cosine", "raw", "cohere", "voyage"] | Callable[[np.ndarray], np.ndarray]
-
-
-@dataclass
-class DocumentRegion:
-    """A run of consecutive chunk positions of one document that the search may join."""
-
-    doc_id: str
-    positions: list[int]
-    values: np.ndarray
-
-
-@dataclass
-class Segment:
-    """One extracted segment: document, chunk positions ``[start, end)``, value and members."""
-
-    doc_id: str
-    start: int
-    end: int
-    value: float
-    members: list[BaseNode] = field(default_factory=list)
-
-
-@dataclass
-class SegmentExtraction:
-    """Everything one call computed: the regions searched (values laid end to end, as the
-    segment search saw them), the segments chosen, the nodes that could not be placed in any
-    document, and how many store reads it took. :func:`plot_segments` draws it."""
-
-    regions: list[DocumentRegion]
-    segments: list[Segment]
-    passthrough: list[NodeWithScore]
-    store_calls: int = 0
-
-    @property
-    def values(self) -> np.ndarray:
-        """Chunk values of all regions laid end to end."""
-        if not self.regions:
-            return np.zeros(0)
-        return np.concatenate([r.values for r in self.regions])
-
-    @property
-    def document_splits(self) -> list[int]:
-        """End offset of each region in :attr:`values`."""
-        return [int(x) for x in np.cumsum([len(r.values) for r in self.regions])]
+#: Keyword arguments the constructor takes besides the pydantic fields.
+_PARTS = ("docstore", "vector_store", "index")
 
 
 class RelevantSegmentPostprocessor(BaseNodePostprocessor):
@@ -123,6 +99,17 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
     by reading the document's nodes from the vector store and sorting them by ``start_char_idx``.
     With no store at all, only chunks that were all retrieved and are known to be adjacent are
     joined. Nodes without a source document pass through unchanged, after the segments.
+
+    Holes are never joined across: a NEXT/PREVIOUS link naming a chunk the store lacks, offsets
+    further apart than a splitter strips, offsets the texts contradict where no link vouches for
+    the join, or a chunk no store returns. They are listed in :attr:`SegmentExtraction.holes`
+    and logged once per call. When nodes came in but no segment was worth ``minimum_value``,
+    :attr:`SegmentExtraction.note` says so (and it is logged at INFO).
+
+    Example::
+
+        rse = RelevantSegmentPostprocessor(index=index, preset="balanced")
+        engine = index.as_query_engine(similarity_top_k=20, node_postprocessors=[rse])
     """
 
     preset: str = Field(
@@ -199,6 +186,8 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         index: Any = None,
         **kwargs: Any,
     ) -> None:
+        # Pydantic would drop a misspelt option silently and use its default.
+        reject_unknown(type(self).__name__, kwargs, pydantic_fields(type(self)) | set(_PARTS))
         super().__init__(**kwargs)
         get_preset(self.preset)  # fail now on a bad name, not at the first query
         if index is not None:
@@ -216,12 +205,15 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
             raise ValueError(
                 f"overall_max_length must be at least 1, got {self.overall_max_length}"
             )
-        if not callable(self.calibration) and self.calibration not in _CALIBRATIONS:
-            raise ValueError(
-                f"unknown calibration {self.calibration!r}: use one of {sorted(_CALIBRATIONS)} "
-                "or a callable mapping a numpy array of scores to relevance in [0, 1]"
-            )
+        check_calibration(self.calibration)
         low, high = self.cosine_range
+        require_finite(
+            type(self).__name__,
+            minimum_value=self.minimum_value,
+            irrelevant_chunk_penalty=self.irrelevant_chunk_penalty,
+            decay_rate=self.decay_rate,
+            **{"cosine_range[0]": low, "cosine_range[1]": high},
+        )
         if not high > low:
             raise ValueError(
                 f"cosine_range must be (low, high) with high > low, got {self.cosine_range}"
@@ -236,17 +228,6 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
     def _param(self, name: str) -> Any:
         value = getattr(self, name)
         return getattr(get_preset(self.preset), name) if value is None else value
-
-    def _relevance(self, scores: np.ndarray) -> np.ndarray:
-        if callable(self.calibration):
-            return np.asarray(self.calibration(scores), dtype=float)
-        if self.calibration == "cosine":
-            return calibrate_minmax(scores, *self.cosine_range)
-        if self.calibration == "cohere":
-            return calibrate_beta(scores, *COHERE_RERANK_BETA)
-        if self.calibration == "voyage":
-            return calibrate_beta(scores, *VOYAGE_RERANK_BETA)
-        return scores
 
     def _source(self) -> ChunkSource:
         return ChunkSource(
@@ -287,7 +268,7 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
 
     # -- public API -------------------------------------------------------------------------
     def extract(self, nodes: Sequence[NodeWithScore]) -> SegmentExtraction:
-        """Run the extraction and return its full result (values, segments, members)."""
+        """Run the extraction and return its full result (values, segments, members, holes)."""
         source = self._source()
         plan = self._plan(list(nodes), source)
         try:
@@ -318,100 +299,46 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
     ) -> Generator[ChunkRequest, Any, SegmentExtraction]:
         hits, passthrough = self._rank(nodes)
         if not hits:
-            return SegmentExtraction([], [], passthrough)
+            return self._finish(SegmentExtraction([], [], passthrough), nodes, hits)
         docs = self._select_documents(hits)
-        positions: dict[str, dict[str, int]] = {}  # doc -> hit node id -> position
-        held: dict[str, dict[int, BaseNode]] = {}  # doc -> position -> node at hand
-        ordered_ids: dict[str, list[str]] = {}  # doc -> node id at each position
-        key = self.chunk_index_key
-
-        for doc_id, members in docs.items():
-            if all(_index(n, key) is not None for n in members):
-                positions[doc_id] = {n.node_id: _index(n, key) for n in members}  # type: ignore[misc]
-        if source.supports("ref_doc_ids"):
-            # Asked for indexed documents too: the docstore then serves their gap reads by id.
-            answer: dict[str, list[str]] = yield ChunkRequest("ref_doc_ids", doc_ids=list(docs))
-            for doc_id, ids in answer.items():
-                where = {node_id: i for i, node_id in enumerate(ids)}
-                if doc_id in positions:
-                    if all(where.get(n) == p for n, p in positions[doc_id].items()):
-                        ordered_ids[doc_id] = ids
-                elif all(n.node_id in where for n in docs[doc_id]):
-                    positions[doc_id] = {n.node_id: where[n.node_id] for n in docs[doc_id]}
-                    ordered_ids[doc_id] = ids
-        pending = [d for d in docs if d not in positions]
-        if pending and source.supports("documents"):
-            limit = self.max_document_chunks * len(pending)
-            read: list[BaseNode] = yield ChunkRequest("documents", doc_ids=pending, limit=limit)
-            for doc_id, members in _group_by_document(read).items():
-                if doc_id not in pending or len(members) > self.max_document_chunks:
-                    continue
-                order = _document_order(members)
-                where = {node.node_id: i for i, node in enumerate(order)}
-                if all(n.node_id in where for n in docs[doc_id]):
-                    positions[doc_id] = {n.node_id: where[n.node_id] for n in docs[doc_id]}
-                    ordered_ids[doc_id] = [n.node_id for n in order]
-                    held[doc_id] = dict(enumerate(order))
-        fetchable: set[str] = set()  # documents whose missing chunks can still be read
-        for doc_id, members in list(docs.items()):
-            if doc_id in ordered_ids or (doc_id in positions and source.supports("chunk_indices")):
-                fetchable.add(doc_id)
-            elif doc_id not in positions:
-                if not _orderable(members):
-                    lost = [h.item for h in hits if h.node.ref_doc_id == doc_id]
-                    self._unplaceable(lost, "carry no chunk index, offsets or NEXT/PREVIOUS links")
-                    passthrough.extend(lost)
-                    del docs[doc_id]
-                    continue
-                positions[doc_id] = _positions_from_links(members)
-            mine = held.setdefault(doc_id, {})
-            for node in members:  # the retrieved copy wins over a copy read back
-                mine[positions[doc_id][node.node_id]] = node
-
+        layouts = yield from lay_out(docs, source, self.chunk_index_key, self.max_document_chunks)
+        for doc_id in [d for d in docs if d not in layouts]:
+            lost = [h.item for h in hits if h.node.ref_doc_id == doc_id]
+            self._unplaceable(lost, "carry no chunk index, offsets or NEXT/PREVIOUS links")
+            passthrough.extend(lost)
+            del docs[doc_id]
         values_of = {h.node.node_id: h.value for h in hits}
-        regions = self._regions(docs, positions, held, values_of, fetchable)
+        penalty = float(self._param("irrelevant_chunk_penalty"))
+        # In rank order of the documents: the search breaks ties by position.
+        regions = [r for d in docs for r in layouts[d].regions(values_of, penalty)]
         segments = self._search(regions)
-
-        missing = self._missing(segments, held)
-        if missing:
-            read_nodes = yield from self._read_missing(missing, ordered_ids, source)
-            slots = {d: {n: i for i, n in enumerate(ids)} for d, ids in ordered_ids.items()}
-            for node in read_nodes:
-                owner = node.ref_doc_id
-                if owner is None or owner not in missing:
-                    continue
-                position = slots[owner].get(node.node_id) if owner in slots else _index(node, key)
-                if position is not None and position in missing[owner]:
-                    held[owner][position] = node
-            if self._missing(segments, held):
-                # Some chunks between hits could not be read: search again, joining only
-                # chunks we hold, so that no segment silently skips text.
-                fetchable.clear()
-                regions = self._regions(docs, positions, held, values_of, fetchable)
-                segments = self._search(regions)
+        rounds = 0
+        while True:
+            missing = missing_positions(segments, layouts)
+            if missing and rounds < MAX_READ_ROUNDS:
+                rounds += 1
+                read = yield from read_missing(missing, layouts)
+                place_read(read, missing, layouts, self.chunk_index_key)
+            elif missing:
+                for doc_id in missing:  # out of rounds: join only chunks already at hand
+                    layouts[doc_id].fetchable = False
+            # Chunks now at hand may show holes the retrieved ones could not.
+            found = sum(layouts[s.doc_id].check(s.start, s.end) for s in segments)
+            if not found and not missing_positions(segments, layouts):
+                break
+            regions = [r for d in docs for r in layouts[d].regions(values_of, penalty)]
+            segments = self._search(regions)
         for segment in segments:
-            segment.members = [held[segment.doc_id][p] for p in range(segment.start, segment.end)]
-        extraction = SegmentExtraction(regions, segments, passthrough)
-        if self.verbose:
-            _print_trace(extraction, hits)
-        return extraction
-
-    def _read_missing(
-        self,
-        missing: dict[str, set[int]],
-        ordered_ids: dict[str, list[str]],
-        source: ChunkSource,
-    ) -> Generator[ChunkRequest, Any, list[BaseNode]]:
-        by_index = {d: sorted(p) for d, p in missing.items() if d not in ordered_ids}
-        by_id = [
-            ordered_ids[d][p] for d, ps in missing.items() if d in ordered_ids for p in sorted(ps)
-        ]
-        read: list[BaseNode] = []
-        if by_id:
-            read.extend((yield ChunkRequest("node_ids", node_ids=by_id)))
-        if by_index:
-            read.extend((yield ChunkRequest("chunk_indices", indices=by_index)))
-        return read
+            layout = layouts[segment.doc_id]
+            positions = range(segment.start, segment.end)
+            segment.members = [layout.held[p] for p in positions]
+            segment.chunk_range = self._chunk_range(segment, layout)
+            segment.distrusted = frozenset(
+                layout.held[p].node_id for p in positions if p in layout.suspect
+            )
+        holes = [hole for doc_id in docs for hole in layouts[doc_id].holes]
+        extraction = SegmentExtraction(regions, segments, passthrough, holes=holes)
+        return self._finish(extraction, nodes, hits)
 
     # -- steps --------------------------------------------------------------------------------
     def _rank(self, nodes: list[NodeWithScore]) -> tuple[list[_Hit], list[NodeWithScore]]:
@@ -423,9 +350,12 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
                 seen.add(item.node.node_id)
                 unique.append(item)
         scores = [item.score for item in unique]
+        # Checked before anything else: a NaN would otherwise hide among missing scores.
+        if any(s is not None and math.isnan(float(s)) for s in scores):
+            raise ValueError("node scores contain NaN: fix the retriever or reranker upstream")
         if all(s is not None for s in scores):
             unique.sort(key=lambda item: -float(item.score))  # type: ignore[arg-type]
-            relevance = self._relevance(np.array([float(item.score) for item in unique]))  # type: ignore[arg-type]
+            relevance = self._relevance([float(item.score) for item in unique])  # type: ignore[arg-type]
         else:
             if any(s is not None for s in scores):
                 warnings.warn(
@@ -437,7 +367,10 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
             known = np.array([np.nan if s is None else float(s) for s in scores])
             relevance = np.where(np.isnan(known), 1.0, self._relevance(np.nan_to_num(known)))
         if np.isnan(relevance).any():
-            raise ValueError("node scores contain NaN: fix the retriever or reranker upstream")
+            raise ValueError(
+                "the calibration turned node scores into NaN: make it return a number in [0, 1] "
+                "for every score"
+            )
         ranks = np.arange(len(unique), dtype=float)
         values = chunk_value(
             ranks, relevance, self._param("decay_rate"), self._param("irrelevant_chunk_penalty")
@@ -453,6 +386,9 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
                 hits.append(_Hit(item, rank, float(value)))
         self._unplaceable(passthrough, "have no source document (no SOURCE relationship)")
         return hits, passthrough
+
+    def _relevance(self, scores: Any) -> np.ndarray:
+        return calibrate(self.calibration, scores, self.cosine_range)
 
     def _unplaceable(self, items: list[NodeWithScore], why: str) -> None:
         """Warn (or raise) about nodes that pass through because they cannot be ordered."""
@@ -479,78 +415,86 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
                 docs[doc_id] = [hit.node]
         return docs
 
-    def _regions(
-        self,
-        docs: dict[str, list[BaseNode]],
-        positions: dict[str, dict[str, int]],
-        held: dict[str, dict[int, BaseNode]],
-        values_of: dict[str, float],
-        fetchable: set[str],
-    ) -> list[DocumentRegion]:
-        penalty = float(self._param("irrelevant_chunk_penalty"))
-        regions = []
-        for doc_id in docs:
-            hit_positions = {
-                p: values_of[n] for n, p in positions[doc_id].items() if n in values_of
-            }
-            if not hit_positions:
-                continue
-            # Chunks before the first hit or after the last are worth -penalty and can never end
-            # a segment, so the region spans first..last hit only.
-            lo, hi = min(hit_positions), max(hit_positions)
-            at_hand = held[doc_id]
-            run: list[int] = []
-            for p in range(lo, hi + 1):
-                if doc_id in fetchable or p in at_hand:
-                    run.append(p)
-                    continue
-                if run:
-                    regions.append(self._region(doc_id, run, hit_positions, penalty))
-                run = []
-            if run:
-                regions.append(self._region(doc_id, run, hit_positions, penalty))
-        return regions
-
-    @staticmethod
-    def _region(
-        doc_id: str, run: list[int], hit_positions: dict[int, float], penalty: float
-    ) -> DocumentRegion:
-        values = np.array([hit_positions.get(p, -penalty) for p in run], dtype=float)
-        return DocumentRegion(doc_id, run, values)
-
     def _search(self, regions: list[DocumentRegion]) -> list[Segment]:
         if not regions:
             return []
-        values = np.concatenate([r.values for r in regions])
-        splits = [int(x) for x in np.cumsum([len(r.values) for r in regions])]
+        laid_out = SegmentExtraction(regions, [], [])
         spans, scores = find_best_segments(
-            values[None, :],
-            splits,
+            laid_out.values[None, :],
+            laid_out.document_splits,
             int(self._param("max_length")),
             int(self._param("overall_max_length")),
             float(self._param("minimum_value")),
         )
-        starts = [0, *splits[:-1]]
-        segments = []
-        for (start, end), score in zip(spans, scores, strict=True):
-            r = int(np.searchsorted(splits, start, side="right"))
-            region = regions[r]
-            offset = start - starts[r]
-            first = region.positions[offset]
-            segments.append(Segment(region.doc_id, first, first + (end - start), float(score)))
+        segments = [
+            laid_out.segment_at(start, end, score)
+            for (start, end), score in zip(spans, scores, strict=True)
+        ]
         segments.sort(key=lambda s: -s.value)
         return segments
 
-    @staticmethod
-    def _missing(
-        segments: list[Segment], held: dict[str, dict[int, BaseNode]]
-    ) -> dict[str, set[int]]:
-        missing: dict[str, set[int]] = {}
-        for s in segments:
-            gaps = {p for p in range(s.start, s.end) if p not in held[s.doc_id]}
-            if gaps:
-                missing.setdefault(s.doc_id, set()).update(gaps)
-        return missing
+    def _chunk_range(self, segment: Segment, layout: DocumentLayout) -> tuple[int, int] | None:
+        """True chunk indices of ``segment``, or ``None`` when nothing vouches for them.
+
+        Stamped indices vouch; so does a store's record, up to the first hole (past one, the
+        number of chunks missing is unknown). Positions inferred from links never do.
+        """
+        indices = [chunk_index(m, self.chunk_index_key) for m in segment.members]
+        if all(i is not None for i in indices):
+            first = indices[0]
+            assert first is not None
+            consecutive = indices == list(range(first, first + len(indices)))
+            return (first, first + len(indices)) if consecutive else None
+        if layout.renumbered or any(hole.left < segment.start for hole in layout.holes):
+            return None
+        return segment.start, segment.end
+
+    def _finish(
+        self, extraction: SegmentExtraction, nodes: list[NodeWithScore], hits: list[_Hit]
+    ) -> SegmentExtraction:
+        """Say what went wrong, once, in the log and on the result."""
+        if extraction.holes:
+            shown = "; ".join(
+                f"{h.doc_id} chunks {h.left}|{h.right}: {h.reason}" for h in extraction.holes[:3]
+            )
+            more = f" (and {len(extraction.holes) - 3} more)" if len(extraction.holes) > 3 else ""
+            logger.warning(
+                "RSE found %d hole(s) in the chunk order and did not join across them: %s%s. "
+                "Fix: re-ingest the documents so the store holds every chunk with true offsets "
+                "(see SegmentExtraction.holes).",
+                len(extraction.holes),
+                shown,
+                more,
+            )
+        if nodes and not extraction.segments and not extraction.passthrough:
+            extraction.note = self._why_empty(extraction, len(nodes), hits)
+            logger.info("%s", extraction.note)
+            record_note(type(self).__name__, extraction.note)
+        if self.verbose:
+            print(extraction.describe())
+        return extraction
+
+    def _why_empty(self, extraction: SegmentExtraction, n_nodes: int, hits: list[_Hit]) -> str:
+        minimum = float(self._param("minimum_value"))
+        penalty = float(self._param("irrelevant_chunk_penalty"))
+        head = f"RSE kept none of {n_nodes} nodes"
+        if not hits or not extraction.regions:
+            return f"{head}: none could be placed in a document"
+        values = extraction.values
+        if float(values.max()) < 0:
+            return (
+                f"{head}: no chunk is worth more than irrelevant_chunk_penalty {penalty:g} "
+                f"(best chunk value {float(values.max()):.3g}); lower irrelevant_chunk_penalty, "
+                "or check the calibration (cosine_range) against your scores"
+            )
+        length = int(self._param("max_length"))
+        _, best = find_best_segments(
+            values[None, :], extraction.document_splits, length, length, -math.inf
+        )
+        return (
+            f"{head}: best segment value {best[0]:.3g} < minimum_value {minimum:g}; lower "
+            "minimum_value or irrelevant_chunk_penalty"
+        )
 
     def _to_nodes(self, extraction: SegmentExtraction) -> list[NodeWithScore]:
         result: list[NodeWithScore] = []
@@ -558,11 +502,11 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
             if self.output == "chunks":
                 result.extend(NodeWithScore(node=m, score=segment.value) for m in segment.members)
             else:
-                result.append(NodeWithScore(node=_segment_node(segment), score=segment.value))
+                result.extend(
+                    NodeWithScore(node=node, score=segment.value)
+                    for node in segment_nodes(segment, self.chunk_index_key)
+                )
         return result + extraction.passthrough
-
-
-_CALIBRATIONS = {"cosine", "raw", "cohere", "voyage"}
 
 
 @dataclass
@@ -574,146 +518,3 @@ class _Hit:
     @property
     def node(self) -> BaseNode:
         return self.item.node
-
-
-def _index(node: BaseNode, key: str) -> int | None:
-    value = node.metadata.get(key)
-    if isinstance(value, bool) or value is None:
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def _group_by_document(nodes: Sequence[BaseNode]) -> dict[str, list[BaseNode]]:
-    groups: dict[str, list[BaseNode]] = {}
-    for node in nodes_by_id(nodes).values():
-        if node.ref_doc_id is not None:
-            groups.setdefault(node.ref_doc_id, []).append(node)
-    return groups
-
-
-def _document_order(members: list[BaseNode]) -> list[BaseNode]:
-    """Order one document's nodes: by start_char_idx, else by the NEXT chain."""
-    if all(getattr(n, "start_char_idx", None) is not None for n in members):
-        return sorted(members, key=lambda n: int(getattr(n, "start_char_idx", 0)))
-    by_id = {n.node_id: n for n in members}
-    previous = {n.node_id for n in members if _link(n, NodeRelationship.PREVIOUS) in by_id}
-    heads = [n for n in members if n.node_id not in previous]
-    ordered: list[BaseNode] = []
-    placed: set[str] = set()
-    for head in heads:
-        node: BaseNode | None = head
-        while node is not None and node.node_id not in placed:
-            ordered.append(node)
-            placed.add(node.node_id)
-            nxt = _link(node, NodeRelationship.NEXT)
-            node = by_id.get(nxt) if nxt else None
-    return ordered
-
-
-def _orderable(members: list[BaseNode]) -> bool:
-    """Whether anything on the nodes themselves says where they sit in their document."""
-    return all(getattr(n, "start_char_idx", None) is not None for n in members) or any(
-        _link(n, r) is not None
-        for n in members
-        for r in (NodeRelationship.NEXT, NodeRelationship.PREVIOUS)
-    )
-
-
-def _positions_from_links(members: list[BaseNode]) -> dict[str, int]:
-    """Positions for a document no store can describe: adjacent only where known adjacent.
-
-    Hits linked by NEXT/PREVIOUS (or consecutive start/end offsets) get consecutive positions;
-    unrelated runs are placed two apart, so a position with no chunk lies between them and the
-    search cannot join them.
-    """
-    ordered = _document_order(members)
-    positions: dict[str, int] = {}
-    position = 0
-    for i, node in enumerate(ordered):
-        if i and not _adjacent(ordered[i - 1], node):
-            position += 1
-        positions[node.node_id] = position
-        position += 1
-    return positions
-
-
-def _adjacent(left: BaseNode, right: BaseNode) -> bool:
-    if _link(left, NodeRelationship.NEXT) == right.node_id:
-        return True
-    if _link(right, NodeRelationship.PREVIOUS) == left.node_id:
-        return True
-    # Overlapping or touching character spans: the splitter put these chunks side by side.
-    first = getattr(left, "start_char_idx", None)
-    end, start = getattr(left, "end_char_idx", None), getattr(right, "start_char_idx", None)
-    if first is None or end is None or start is None:
-        return False
-    return bool(first <= start <= end)
-
-
-def _link(node: BaseNode, relation: NodeRelationship) -> str | None:
-    info = node.relationships.get(relation)
-    return getattr(info, "node_id", None)
-
-
-def _segment_node(segment: Segment) -> TextNode:
-    members = segment.members
-    stitched = stitch_chunks(
-        [m.get_content() for m in members],
-        [(getattr(m, "start_char_idx", None), getattr(m, "end_char_idx", None)) for m in members],
-    )
-    shared = dict(members[0].metadata)
-    for member in members[1:]:
-        shared = {k: v for k, v in shared.items() if member.metadata.get(k) == v}
-    shared.pop(CHUNK_INDEX_KEY, None)
-    shared.update(
-        {
-            "segment_document_id": segment.doc_id,
-            "segment_chunk_range": [segment.start, segment.end],
-            "segment_char_range": (
-                [stitched.start_char, stitched.end_char]
-                if stitched.start_char is not None and stitched.end_char is not None
-                else None
-            ),
-            "segment_node_ids": [m.node_id for m in members],
-            "segment_value": segment.value,
-        }
-    )
-    hidden = list(SEGMENT_METADATA_KEYS)
-    for key in (*members[0].excluded_llm_metadata_keys, CHUNK_INDEX_KEY):
-        if key not in hidden:
-            hidden.append(key)
-    node_id = str(
-        uuid.uuid5(uuid.NAMESPACE_URL, f"rse:{segment.doc_id}:{segment.start}:{segment.end}")
-    )
-    relationships = {}
-    source = members[0].relationships.get(NodeRelationship.SOURCE)
-    if source is not None:
-        relationships[NodeRelationship.SOURCE] = source
-    return TextNode(
-        id_=node_id,
-        text=stitched.text,
-        metadata=shared,
-        excluded_llm_metadata_keys=hidden,
-        excluded_embed_metadata_keys=list(hidden),
-        relationships=relationships,
-        start_char_idx=stitched.start_char,
-        end_char_idx=stitched.end_char,
-    )
-
-
-def _print_trace(extraction: SegmentExtraction, hits: list[_Hit]) -> None:
-    print(f"RSE: {len(hits)} hits in {len({r.doc_id for r in extraction.regions})} document(s)")
-    for region in extraction.regions:
-        shown = " ".join(f"{v:+.2f}" for v in region.values[:40])
-        more = " ..." if len(region.values) > 40 else ""
-        print(
-            f"  doc {region.doc_id[:12]} chunks {region.positions[0]}-{region.positions[-1]}: "
-            f"{shown}{more}"
-        )
-    for s in extraction.segments:
-        print(f"  segment doc {s.doc_id[:12]} chunks [{s.start}, {s.end}) value {s.value:.3f}")
-    if extraction.passthrough:
-        print(f"  {len(extraction.passthrough)} node(s) passed through unplaced")

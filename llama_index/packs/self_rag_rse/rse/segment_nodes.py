@@ -1,0 +1,108 @@
+"""Turn an extracted segment into LlamaIndex nodes holding the exact text of its span.
+
+The member chunks are stitched (:mod:`~llama_index.packs.self_rag_rse.rse.stitching`); where the
+stitch finds a hole the postprocessor could not see before (offsets and texts that disagree),
+the segment becomes one node per side of the hole, each with its own true ranges, instead of
+one node with text nobody has.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from typing import Any
+
+from llama_index.core.schema import NodeRelationship, TextNode
+
+from llama_index.packs.self_rag_rse.rse.ordering import linked
+from llama_index.packs.self_rag_rse.rse.stitching import find_breaks, stitch_chunks
+from llama_index.packs.self_rag_rse.rse.types import Segment
+
+__all__ = ["SEGMENT_METADATA_KEYS", "segment_nodes"]
+
+#: Metadata keys written on segment nodes (hidden from embedding and LLM text):
+#:
+#: - ``segment_document_id``: the source document;
+#: - ``segment_chunk_range``: chunk indices ``[first, last + 1]``, or ``None`` when unknown;
+#: - ``segment_char_range``: ``[start, end]`` in the document, or ``None`` when the offsets were
+#:   missing or contradicted by the texts;
+#: - ``segment_node_ids``: the member chunks, in order;
+#: - ``segment_value``: the segment's value (also the node's score);
+#: - ``segment_gaps``: boundaries whose stripped whitespace was refilled (no chunk held it);
+#: - ``segment_breaks``: why the segment was cut into several nodes (empty when it was not).
+SEGMENT_METADATA_KEYS = (
+    "segment_document_id",
+    "segment_chunk_range",
+    "segment_char_range",
+    "segment_node_ids",
+    "segment_value",
+    "segment_gaps",
+    "segment_breaks",
+)
+
+
+def segment_nodes(segment: Segment, chunk_index_key: str) -> list[TextNode]:
+    """The node(s) for ``segment``: one, or one per side of each hole the stitch found.
+
+    Metadata shared by every member is kept, minus ``chunk_index_key`` (a segment is not one
+    chunk); the :data:`SEGMENT_METADATA_KEYS` are added and hidden from embedding and LLM text.
+    """
+    members = segment.members
+    texts = [m.get_content() for m in members]
+    spans = [
+        (getattr(m, "start_char_idx", None), getattr(m, "end_char_idx", None)) for m in members
+    ]
+    links = [False] + [linked(a, b) for a, b in itertools.pairwise(members)]
+    distrust = [m.node_id in segment.distrusted for m in members]
+    pieces = stitch_chunks(texts, spans, links, distrust)
+    breaks = (
+        [b.reason for b in find_breaks(texts, spans, links, distrust)] if len(pieces) > 1 else []
+    )
+    shared = dict(members[0].metadata)
+    for member in members[1:]:
+        shared = {k: v for k, v in shared.items() if member.metadata.get(k) == v}
+    shared.pop(chunk_index_key, None)
+    hidden = list(SEGMENT_METADATA_KEYS)
+    for key in (*members[0].excluded_llm_metadata_keys, chunk_index_key):
+        if key not in hidden:
+            hidden.append(key)
+    relationships = {}
+    source = members[0].relationships.get(NodeRelationship.SOURCE)
+    if source is not None:
+        relationships[NodeRelationship.SOURCE] = source
+
+    nodes = []
+    for piece in pieces:
+        first = segment.start + piece.first
+        stop = segment.start + piece.stop
+        chunk_range: list[int] | None = None
+        if segment.chunk_range is not None:
+            chunk_range = [
+                segment.chunk_range[0] + piece.first,
+                segment.chunk_range[0] + piece.stop,
+            ]
+        known = piece.start_char is not None and piece.end_char is not None
+        metadata: dict[str, Any] = {
+            **shared,
+            "segment_document_id": segment.doc_id,
+            "segment_chunk_range": chunk_range,
+            "segment_char_range": [piece.start_char, piece.end_char] if known else None,
+            "segment_node_ids": [m.node_id for m in members[piece.first : piece.stop]],
+            "segment_value": segment.value,
+            "segment_gaps": piece.gaps,
+            "segment_breaks": breaks,
+        }
+        node_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"rse:{segment.doc_id}:{first}:{stop}"))
+        nodes.append(
+            TextNode(
+                id_=node_id,
+                text=piece.text,
+                metadata=metadata,
+                excluded_llm_metadata_keys=hidden,
+                excluded_embed_metadata_keys=list(hidden),
+                relationships=dict(relationships),
+                start_char_idx=piece.start_char if known else None,
+                end_char_idx=piece.end_char if known else None,
+            )
+        )
+    return nodes

@@ -1,0 +1,134 @@
+"""Stitching chunks back into document text: real splitter output, then offsets that lie."""
+
+from __future__ import annotations
+
+import pytest
+
+from llama_index.packs.self_rag_rse.rse.stitching import (
+    MAX_LINKED_GAP,
+    MAX_STRIPPED_GAP,
+    MIN_TEXT_OVERLAP,
+    find_breaks,
+    stitch_chunks,
+    suspect_offsets,
+)
+
+
+def parts(nodes):
+    texts = [n.get_content() for n in nodes]
+    spans = [(n.start_char_idx, n.end_char_idx) for n in nodes]
+    return texts, spans
+
+
+@pytest.mark.parametrize(("chunk_size", "overlap"), [(64, 0), (96, 24), (128, 16)])
+def test_real_splitter_output_stitches_to_the_source_span(
+    split, source_text, whitespace_equal, chunk_size, overlap
+):
+    nodes = split(chunk_size, overlap)
+    texts, spans = parts(nodes)
+    (piece,) = stitch_chunks(texts, spans, [True] * len(nodes))
+    source = source_text("execmodel")
+    assert (piece.start_char, piece.end_char) == (spans[0][0], spans[-1][1])
+    assert whitespace_equal(piece.text, source[piece.start_char : piece.end_char])
+    assert (piece.first, piece.stop) == (0, len(nodes))
+    if overlap == 0:
+        assert piece.gaps > 0  # stripped whitespace between chunks, refilled to its width
+
+
+def test_overlap_cut_is_checked_against_the_text():
+    # Offsets claim "abcdefgh" overlaps by 4, but the next chunk does not start with "efgh".
+    texts = ["0123456789abcdefgh", "WXYZ and then the rest of the next chunk"]
+    spans = [(0, 18), (14, 14 + len(texts[1]))]
+    assert suspect_offsets(texts, spans) == [True, True]
+    pieces = stitch_chunks(texts, spans, [False, True])
+    # Linked neighbours whose offsets cannot be trusted: joined with one newline, no range.
+    assert [p.text for p in pieces] == [
+        "0123456789abcdefgh\nWXYZ and then the rest of the next chunk"
+    ]
+    assert (pieces[0].start_char, pieces[0].end_char) == (None, None)
+    # Not linked: nothing says they are neighbours, so they stay apart.
+    unlinked = stitch_chunks(texts, spans)
+    assert [p.text for p in unlinked] == texts
+    assert all(p.start_char is None for p in unlinked)
+    assert "overlap" in find_breaks(texts, spans)[0].reason
+
+
+def test_wrong_offsets_fall_back_to_text_matching():
+    source = "The quick brown fox jumps over the lazy dog, and then it runs far away."
+    left, right = source[:40], source[24:]  # a true overlap of 16 characters
+    for shift in (-10, 10):  # length-consistent offsets that claim a wrong overlap
+        wrong = (24 + shift, len(source) + shift)
+        (piece,) = stitch_chunks([left, right], [(0, 40), wrong])
+        assert piece.text == source
+        assert (piece.start_char, piece.end_char) == (None, None)  # cannot vouch for it
+
+
+def test_text_repeated_across_a_stripped_gap_is_kept(source_text, whitespace_equal):
+    from corpus import corpus_documents
+    from llama_index.core.node_parser import TokenTextSplitter
+
+    # On the shipped corpus this splitter cuts "... | double_star_pattern" from
+    # "double_star_pattern ::= ...": the same 19 characters on both sides of a stripped gap.
+    splitter = TokenTextSplitter(chunk_size=64, chunk_overlap=0)
+    nodes = splitter.get_nodes_from_documents(corpus_documents(("compound",)))
+    texts, spans = parts(nodes)
+    (piece,) = stitch_chunks(texts, spans, [True] * len(nodes))
+    source = source_text("compound")
+    assert whitespace_equal(piece.text, source[piece.start_char : piece.end_char])
+
+
+def test_a_gap_wider_than_a_splitter_strips_is_a_hole():
+    source = "first chunk text." + " " * 2 + "A sentence nobody kept." + "\n" + "last chunk text."
+    a, b = source[:17], source[-16:]
+    spans = [(0, 17), (len(source) - 16, len(source))]
+    pieces = stitch_chunks([a, b], spans)
+    assert [p.text for p in pieces] == [a, b]
+    assert [(p.start_char, p.end_char) for p in pieces] == [spans[0], spans[1]]
+    assert [(p.first, p.stop) for p in pieces] == [(0, 1), (1, 2)]
+    (hole,) = find_breaks([a, b], spans)
+    assert hole.index == 1 and "gap" in hole.reason
+
+
+def test_gap_width_limits():
+    a, b = "x" * 20, "y" * 20
+
+    def joined(gap: int, linked: bool) -> bool:
+        spans = [(0, 20), (20 + gap, 40 + gap)]
+        return len(stitch_chunks([a, b], spans, [False, linked])) == 1
+
+    assert joined(MAX_STRIPPED_GAP, linked=False)
+    assert not joined(MAX_STRIPPED_GAP + 1, linked=False)
+    assert joined(MAX_LINKED_GAP, linked=True)  # blank lines and indentation, as splitters strip
+    assert not joined(MAX_LINKED_GAP + 1, linked=True)
+    (piece,) = stitch_chunks([a, b], [(0, 20), (23, 43)])
+    assert piece.text == a + "\n\n\n" + b and (piece.start_char, piece.end_char) == (0, 43)
+    assert piece.gaps == 1
+
+
+def test_without_offsets_overlap_is_found_by_text():
+    source = "Alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu."
+    a, b = source[:40], source[20:]
+    (piece,) = stitch_chunks([a, b])
+    assert piece.text == source and piece.gaps == 0
+    # Too short to be told from coincidence: joined as neighbours with a newline instead.
+    short = stitch_chunks([source[:30], source[30 - MIN_TEXT_OVERLAP + 1 :]])
+    assert short[0].gaps == 1 and short[0].start_char is None
+
+
+def test_chunk_inside_the_previous_one_adds_nothing():
+    (piece,) = stitch_chunks(["abcdefghij", "cdef", "ijkl"], [(0, 10), (2, 6), (8, 12)])
+    assert piece.text == "abcdefghijkl" and (piece.start_char, piece.end_char) == (0, 12)
+
+
+def test_distrusted_offsets_are_ignored():
+    a, b = "x" * 20, "y" * 20
+    spans = [(0, 20), (22, 42)]
+    assert len(stitch_chunks([a, b], spans)) == 1
+    pieces = stitch_chunks([a, b], spans, [False, False], [False, True])
+    assert len(pieces) == 2 and pieces[1].start_char is None
+
+
+def test_mismatched_inputs_are_errors():
+    with pytest.raises(ValueError, match="one of each per chunk"):
+        stitch_chunks(["a", "b"], [(0, 1)])
+    assert stitch_chunks([])[0].text == ""

@@ -136,7 +136,8 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     )
     eog = [t for t in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(llm._model.vocab, t)]
     if args.ignore_eos:
-        critic.decoder.is_eog = lambda token: False  # type: ignore[method-assign]
+        # Decoding reads end-of-generation from the decoder's native context.
+        critic.decoder._native.is_eog = lambda token: False  # type: ignore[method-assign]
     texts = paragraphs(k, words=args.words)
     warm = paragraphs(1, words=20)
 

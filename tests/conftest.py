@@ -178,3 +178,125 @@ def events() -> Iterator[list[str]]:
     root.add_event_handler(recorder)
     yield seen
     root.event_handlers.remove(recorder)
+
+
+# ------------------------------------------------------------------------------------------------
+# Served models: llama.cpp's own server (llama-server) on the tiny GGUFs (tests/served).
+#
+# The binary is built once per machine by `make llama-server` (from the llama.cpp sources inside
+# the llama-cpp-python sdist, same version as the installed bindings) and cached under
+# ~/.cache/llama-index-packs-self-rag-rse/llama-server/<version>/; SELF_RAG_RSE_LLAMA_SERVER
+# points at another binary. A test that
+# needs it fails (not skips) when it is missing. Servers listen on 127.0.0.1 on a free port, hold
+# F32 KV caches like the in-process models, and are stopped when the session ends.
+# ------------------------------------------------------------------------------------------------
+
+LLAMA_SERVER_ENV = "SELF_RAG_RSE_LLAMA_SERVER"
+
+
+def llama_server_binary() -> Path:
+    """The llama-server binary to test against, or a failure saying how to build it."""
+    from importlib.metadata import version
+
+    given = os.environ.get(LLAMA_SERVER_ENV)
+    cached = (
+        Path.home()
+        / ".cache"
+        / "llama-index-packs-self-rag-rse"
+        / "llama-server"
+        / version("llama_cpp_python")
+        / "llama-server"
+    )
+    path = Path(given) if given else cached
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        pytest.fail(
+            f"llama-server binary not found at {path}: run `make llama-server` (builds it once per "
+            f"machine from the llama-cpp-python sdist) or set {LLAMA_SERVER_ENV}=/path/to/binary",
+            pytrace=False,
+        )
+    return path
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class LlamaServer:
+    """A running llama-server: its URL (``http://127.0.0.1:<port>``) and how to stop it."""
+
+    def __init__(self, model: Path, log: Path, *, parallel: int = 4, n_ctx: int = 1024) -> None:
+        import subprocess
+        import time
+
+        import httpx
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        command = [
+            str(llama_server_binary()),
+            *("--model", str(model), "--host", "127.0.0.1", "--port", str(self.port)),
+            # n_ctx per slot = -c / --parallel: the same 1024 positions as the in-process models.
+            *("--ctx-size", str(n_ctx * parallel), "--parallel", str(parallel)),
+            *("--threads", "1", "--threads-batch", "1"),
+            *("--cache-type-k", "f32", "--cache-type-v", "f32", "--flash-attn", "off"),
+            "--no-warmup",
+        ]
+        with open(log, "wb") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.process.poll() is not None:
+                pytest.fail(f"llama-server exited ({self.process.returncode}):\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"llama-server did not become healthy in 60 s:\n{self.tail()}")
+            time.sleep(0.1)
+
+    def tail(self, lines: int = 30) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def llama_server(
+    tiny_gguf_paths: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """``llama_server(typing)``: a llama-server on that tiny GGUF, started on first use and
+    stopped when the session ends."""
+    running: dict[str, LlamaServer] = {}
+    logs = tmp_path_factory.mktemp("llama_server")
+
+    def get(typing: str) -> LlamaServer:
+        if typing not in running:
+            running[typing] = LlamaServer(tiny_gguf_paths[typing], logs / f"{typing}.log")
+        return running[typing]
+
+    yield get
+    for server in running.values():
+        server.stop()
+
+
+# ------------------------------------------------------------------------------------------------
+# End of the served-model block.
+# ------------------------------------------------------------------------------------------------

@@ -261,13 +261,13 @@ def test_context_is_kept_grown_and_freed(tiny_gguf_paths: dict[str, Any]) -> Non
     decoder = BatchedDecoder(llm, n_seq_max=2)
     inputs = judge_inputs(llm)
     decoder.generate(**{**inputs, "suffixes": inputs["suffixes"][:1]}, max_new_tokens=5)
-    ctx, cells = decoder._ctx, decoder._n_cells
+    ctx, cells = decoder._native.ctx, decoder._native.n_cells
     decoder.generate(**{**inputs, "suffixes": inputs["suffixes"][:1]}, max_new_tokens=5)
-    assert decoder._ctx is ctx  # reused
+    assert decoder._native.ctx is ctx  # reused
     decoder.generate(**inputs, max_new_tokens=400)
-    assert decoder._n_cells > cells  # grown for the bigger call
+    assert decoder._native.n_cells > cells  # grown for the bigger call
     llm.close()  # closing the Llama frees our context first
-    assert decoder._ctx is None
+    assert decoder._native.ctx is None
 
 
 def test_flash_attention_is_opt_in_and_close(

@@ -156,7 +156,7 @@ def test_close_waits_for_a_generate_running_in_another_thread(
     assert "error" not in result, result.get("error")
     assert calls_when_closed == pausing.calls == total  # close returned after the last decode
     assert_same(result["value"], expected)
-    assert decoder._ctx is None
+    assert decoder._native.ctx is None
     # Closed but reusable: the next call creates the context again.
     assert_same(decoder.generate(**inputs, max_new_tokens=40), expected)
     decoder.close()
@@ -168,7 +168,7 @@ def test_close_inside_a_session_frees_at_once_and_the_session_recovers(tiny_llm:
     with decoder.session(prompt) as session:
         before = session.generate(8, [1, 2])
         decoder.close()  # same thread: the lock is re-entrant, so this does not deadlock
-        assert decoder._ctx is None
+        assert decoder._native.ctx is None
         after = session.generate(8, [1, 2])  # recreates the context, re-reads the prompt
     assert_same([before], [after])
     decoder.close()
@@ -219,7 +219,7 @@ def test_use_after_the_model_was_closed_raises_model_closed_error(
     with pytest.raises(ModelClosedError):
         decoder.is_eog(0)
     assert decoder.closed_model
-    assert decoder._ctx is None  # freed before the model
+    assert decoder._native.ctx is None  # freed before the model
     with pytest.raises(ModelClosedError):
         decoder.check_open()
     decoder.close()  # still harmless
@@ -255,7 +255,7 @@ def test_model_closed_while_another_thread_decodes(
     assert not thread.is_alive()
     assert isinstance(result.get("error"), ModelClosedError), result
     assert pausing.calls == total // 3  # stopped at once rather than decoding for nobody
-    assert decoder._ctx is None
+    assert decoder._native.ctx is None
     with pytest.raises(ModelClosedError):
         decoder.generate(**inputs, max_new_tokens=3)
 
@@ -269,11 +269,11 @@ def test_a_model_freed_without_telling_the_decoder_is_detected_and_left_alone(
     inputs = inputs_for(own_llm)
     decoder.generate(**inputs, max_new_tokens=3)
     own_llm.close()
-    assert decoder._ctx is not None  # not told
+    assert decoder._native.ctx is not None  # not told
     with pytest.raises(ModelClosedError):
         decoder.generate(**inputs, max_new_tokens=3)
     decoder.close()  # leaks the context rather than letting llama_free read the freed model
-    assert decoder._ctx is None and "leaked" in caplog.text
+    assert decoder._native.ctx is None and "leaked" in caplog.text
 
 
 # --- a context that cannot be created ----------------------------------------------------------
@@ -310,7 +310,7 @@ def test_context_creation_failure_retries_with_fewer_sequences(
         outputs = decoder.generate(**inputs, max_new_tokens=100)
         assert_same(outputs, expected)  # same scores, decoded in smaller groups
         assert limited.requested[0] > 256 and limited.requested[-1] <= 256
-        assert decoder._n_cells <= 256
+        assert decoder._native.n_cells <= 256
 
 
 def test_context_creation_failure_for_one_sequence_raises_once(
@@ -343,7 +343,7 @@ def test_a_grown_context_that_does_not_fit_falls_back_to_the_request(
         limited = LimitedContexts(limit=1024)
         monkeypatch.setattr(llama_cpp, "llama_init_from_model", limited)
         with decoder.session(inputs["prefix"]) as session:
-            # needs 512 cells for one sequence: growing the 4 streams to 512 cells (2048) does
-            # not fit, one stream of 512 does
+            # needs 512 cells for one sequence: growing the 4 streams to 768 cells (3072: a
+            # quarter more, for the conversation's next call) does not fit, one stream of 512 does
             out = session.generate(400)
-        assert out.error is None and limited.requested == [2048, 512]
+        assert out.error is None and limited.requested == [3072, 512]

@@ -12,6 +12,8 @@ import math
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,9 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms import CustomLLM
 from llama_index.core.prompts import PromptTemplate
 
+from llama_index.packs.self_rag_rse.llamacpp.context import DecodeStats
+from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
+from llama_index.packs.self_rag_rse.llamacpp.session import Request
 from llama_index.packs.self_rag_rse.self_rag.contract import Critic, ParagraphJudgement
 from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
 from llama_index.packs.self_rag_rse.self_rag.prompts import DEFAULT_RELEVANCE_PROMPT
@@ -405,34 +410,55 @@ def smollm2_critic(smollm2: Any) -> Iterator[PromptedCritic]:
     critic.close()
 
 
-@pytest.fixture(scope="session")
-def batched_run(smollm2_critic: PromptedCritic) -> tuple[list[ParagraphJudgement], list[Any]]:
-    """One judge() call on three paragraphs, with every decoder call recorded."""
-    decoder = smollm2_critic.decoder
+@dataclass
+class Run:
+    """One judge() call: its judgements, every conversation call, the decoder's counters."""
+
+    judgements: list[ParagraphJudgement]
+    calls: list[tuple[Any, list[Request]]]
+    stats: DecodeStats
+
+
+def recorded_judge(critic: PromptedCritic, paragraphs: list[str] = PARAGRAPHS) -> Run:
+    decoder = critic.decoder
     assert decoder is not None
-    calls: list[dict[str, Any]] = []
-    original = decoder.generate
+    calls: list[tuple[Any, list[Request]]] = []
+    real = Conversation.run
 
-    def spy(prefix: Any, suffixes: Any, **kwargs: Any) -> Any:
-        calls.append({"n": len(suffixes), "prefix": prefix, "suffixes": suffixes, **kwargs})
-        return original(prefix, suffixes, **kwargs)
+    def spy(self: Conversation, requests: Any) -> Any:
+        calls.append((self, list(requests)))
+        return real(self, requests)
 
-    decoder.generate = spy  # type: ignore[method-assign]
-    try:
-        judgements = smollm2_critic.judge(QUERY, PARAGRAPHS)
-    finally:
-        del decoder.generate
-    return judgements, calls
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Conversation, "run", spy)
+        decoder.stats.reset()
+        judgements = critic.judge(QUERY, paragraphs)
+    return Run(judgements, calls, replace(decoder.stats))
+
+
+def distinct_prefixes(prompts: list[list[int]]) -> int:
+    """Nodes of the prompts' prefix tree: the tokens an evaluation reading each once needs."""
+    ordered = sorted(prompts)
+    total = sum(len(p) for p in ordered)
+    for a, b in pairwise(ordered):
+        same = [x == y for x, y in zip(a, b, strict=False)]
+        total -= same.index(False) if False in same else len(same)
+    return total
+
+
+@pytest.fixture(scope="session")
+def batched_run(smollm2_critic: PromptedCritic) -> Run:
+    """One judge() call on three paragraphs, recorded."""
+    return recorded_judge(smollm2_critic)
 
 
 @pytest.mark.slow
 def test_llama_cpp_scores_are_in_range_and_come_from_logprobs(
-    smollm2_critic: PromptedCritic, batched_run: tuple[list[ParagraphJudgement], list[Any]]
+    smollm2_critic: PromptedCritic, batched_run: Run
 ) -> None:
-    judgements, _ = batched_run
     assert smollm2_critic.prompt_format == "gguf_chat_template"
-    assert len(judgements) == len(PARAGRAPHS)
-    for j in judgements:
+    assert len(batched_run.judgements) == len(PARAGRAPHS)
+    for j in batched_run.judgements:
         assert j.error is None
         assert j.answer.strip()
         assert 0.0 <= j.relevance <= 1.0
@@ -445,45 +471,35 @@ def test_llama_cpp_scores_are_in_range_and_come_from_logprobs(
 
 
 @pytest.mark.slow
-def test_llama_cpp_judges_every_paragraph_in_one_decode_per_question(
-    batched_run: tuple[list[ParagraphJudgement], list[Any]],
+def test_llama_cpp_judges_every_paragraph_in_two_calls_of_one_conversation(
+    batched_run: Run,
 ) -> None:
-    _, calls = batched_run
-    # answers + relevance (one paragraph evaluation, two tails), support, utility
-    assert len(calls) == 3
-    assert all(call["n"] == len(PARAGRAPHS) for call in calls)
-    first, *label_calls = calls
-    assert len(first["tails"]) == 2 and first["max_new_tokens"] == [24, 1]
-    assert [call["max_new_tokens"] for call in label_calls] == [1, 1]
-    assert sorted(len(call["track_ids"]) for call in label_calls)[-1] >= 5  # 1..5 at least
-
-
-def paragraph_evaluations(llm: Any, calls: list[Any]) -> dict[str, int]:
-    """How many decoded sequences evaluate each paragraph (the prefix counts once per call)."""
-    texts = [
-        llm._model.detokenize([*call["prefix"], *suffix, *call.get("suffix_tail", [])]).decode(
-            "utf-8", "ignore"
-        )
-        for call in calls
-        for suffix in call["suffixes"]
-    ]
-    return {p: sum(f"Paragraph:\n{p}" in text for text in texts) for p in PARAGRAPHS}
+    # answers + relevance, then support + utility, the KV cache carried over between them
+    (first_conv, first), (second_conv, second) = batched_run.calls
+    assert first_conv is second_conv
+    k = len(PARAGRAPHS)
+    assert [r.max_new_tokens for r in first] == [24] * k + [1] * k
+    assert [r.max_new_tokens for r in second] == [1] * (2 * k)
+    assert all(len(r.track_ids) >= 2 for r in [*first[k:], *second])
+    assert max(len(r.track_ids) for r in second) >= 5  # 1..5 at least
 
 
 @pytest.mark.slow
-def test_llama_cpp_evaluates_each_paragraph_twice_not_three_times(
-    smollm2: Any, batched_run: tuple[list[ParagraphJudgement], list[Any]]
-) -> None:
-    _, calls = batched_run
-    # once shared by the answer and relevance prompts, once for support (it needs the answer)
-    assert paragraph_evaluations(smollm2, calls) == {p: 2 for p in PARAGRAPHS}
+def test_llama_cpp_reads_each_paragraph_once_for_the_four_questions(batched_run: Run) -> None:
+    prompts = [list(r.tokens) for _, call in batched_run.calls for r in call]
+    stats = batched_run.stats
+    # Each distinct prompt position once (support continues the answer's sequence after the
+    # paragraph), give or take a few tokens that prompts evaluate each for themselves.
+    once = distinct_prefixes(prompts)
+    assert once <= stats.prompt_tokens <= once + 8 * len(prompts)
+    assert stats.prompt_tokens < 0.6 * sum(len(p) for p in prompts)  # short paragraphs here
+    assert stats.reused_tokens == sum(len(p) for p in prompts) - stats.prompt_tokens
 
 
 @pytest.mark.slow
-def test_llama_cpp_templates_without_a_shared_paragraph_prefix_decode_apart(
-    smollm2: Any, batched_run: tuple[list[ParagraphJudgement], list[Any]]
+def test_llama_cpp_templates_that_share_less_evaluate_more_and_answer_alike(
+    smollm2: Any, batched_run: Run
 ) -> None:
-    judgements, _ = batched_run
     critic = PromptedCritic(smollm2, max_new_tokens=24)
     critic.update_prompts(
         {
@@ -491,32 +507,27 @@ def test_llama_cpp_templates_without_a_shared_paragraph_prefix_decode_apart(
             "Is this paragraph relevant to the question? Reply with one word: Yes or No."
         }
     )
-    decoder = critic.decoder
-    assert decoder is not None
-    calls: list[dict[str, Any]] = []
-    original = decoder.generate
-
-    def spy(prefix: Any, suffixes: Any, **kwargs: Any) -> Any:
-        calls.append({"prefix": prefix, "suffixes": suffixes, **kwargs})
-        return original(prefix, suffixes, **kwargs)
-
-    decoder.generate = spy  # type: ignore[method-assign]
     try:
-        apart = critic.judge(QUERY, PARAGRAPHS)
+        apart = recorded_judge(critic)
     finally:
         critic.close()
-    assert len(calls) == 4 and all("tails" not in call for call in calls)
-    assert paragraph_evaluations(smollm2, calls) == {p: 3 for p in PARAGRAPHS}
+    prompts = [list(r.tokens) for _, call in apart.calls for r in call]
+    once = distinct_prefixes(prompts)
+    assert once <= apart.stats.prompt_tokens <= once + 8 * len(prompts)
+    # the paragraphs are read twice now (after the question and before it), not three times
+    tokenize = smollm2._model.tokenize
+    paragraph_tokens = sum(len(tokenize(p.encode(), add_bos=False)) for p in PARAGRAPHS)
+    extra = apart.stats.prompt_tokens - batched_run.stats.prompt_tokens
+    assert paragraph_tokens <= extra < 2 * paragraph_tokens + 16 * len(PARAGRAPHS)
     # the answer prompt did not change, and neither did its answers
-    assert [j.answer for j in apart] == [j.answer for j in judgements]
+    assert [j.answer for j in apart.judgements] == [j.answer for j in batched_run.judgements]
 
 
 @pytest.mark.slow
 def test_llama_cpp_results_are_deterministic(
-    smollm2_critic: PromptedCritic, batched_run: tuple[list[ParagraphJudgement], list[Any]]
+    smollm2_critic: PromptedCritic, batched_run: Run
 ) -> None:
-    judgements, _ = batched_run
-    assert smollm2_critic.judge(QUERY, PARAGRAPHS) == judgements
+    assert smollm2_critic.judge(QUERY, PARAGRAPHS) == batched_run.judgements
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from llama_index.packs.self_rag_rse.self_rag.engine import SelfRAGQueryEngine
     from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
     from llama_index.packs.self_rag_rse.self_rag.reflection_critic import ReflectionCritic
+    from llama_index.packs.self_rag_rse.served.reflection_critic import ServedReflectionCritic
 
 #: Public name -> module that defines it.
 _EXPORTS = {
@@ -40,6 +41,7 @@ _EXPORTS = {
     "CriticBackend": "self_rag.backend",
     "PromptedCritic": "self_rag.prompted_critic",
     "ReflectionCritic": "self_rag.reflection_critic",
+    "ServedReflectionCritic": "served.reflection_critic",
     "find_best_segments": "rse.segments",
     "get_preset": "rse.segments",
     "PRESETS": "rse.segments",
@@ -47,7 +49,7 @@ _EXPORTS = {
     "download_llama_pack": "download",
 }
 
-__all__ = ["CHUNK_INDEX_KEY", "PRESETS", "ChunkIndexer", "Critic", "CriticBackend", "ParagraphJudgement", "PromptedCritic", "ReflectionCritic", "RelevantSegmentPostprocessor", "RetrievalDecision", "SelfRAGPack", "SelfRAGQueryEngine", "download_llama_pack", "find_best_segments", "get_preset", "plot_segments"]  # fmt: skip  # noqa: E501
+__all__ = ["CHUNK_INDEX_KEY", "PRESETS", "ChunkIndexer", "Critic", "CriticBackend", "ParagraphJudgement", "PromptedCritic", "ReflectionCritic", "RelevantSegmentPostprocessor", "RetrievalDecision", "SelfRAGPack", "SelfRAGQueryEngine", "ServedReflectionCritic", "download_llama_pack", "find_best_segments", "get_preset", "plot_segments"]  # fmt: skip  # noqa: E501
 
 
 def __getattr__(name: str) -> Any:

@@ -3,6 +3,8 @@
 ``self-rag-rse download-llamapack SelfRAGPack --download-dir ./pack`` (or
 ``python -m llama_index.packs.self_rag_rse ...``) does what
 ``llamaindex-cli download-llamapack`` did for other packs, by :func:`.download.download_llama_pack`.
+``self-rag-rse evaluate --docs DIR --qa FILE.jsonl --out OUTDIR`` compares top-k, RSE and Self-RAG
+engines on your data (:mod:`.evaluation.command`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,16 @@ from llama_index.packs.self_rag_rse.download import (
     download_llama_pack,
     public_names,
 )
+from llama_index.packs.self_rag_rse.evaluation.command import add_evaluate_parser, run_evaluate
 
 PROG = "self-rag-rse"
 
 DESCRIPTION = f"""\
 Tools for {DISTRIBUTION}.
+
+evaluate compares top-k retrieval, RSE, Self-RAG, Self-RAG with RSE and the corrective
+loop on your documents and questions (RAGAS or LlamaIndex evaluators, evidence
+recall/precision, latency, model calls) and writes a report. Offline by default.
 
 download-llamapack copies this pack's source into a folder of yours, as
 `llamaindex-cli download-llamapack` does for other packs, without the network and on
@@ -107,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="install nothing; print the pip command for missing requirements",
     )
     commands.add_parser("list", help="list the names download-llamapack accepts")
+    add_evaluate_parser(commands)
     return parser
 
 
@@ -118,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "list":
         print("\n".join(public_names()))
         return 0
+    if args.command == "evaluate":
+        return run_evaluate(args, argv)
     try:
         found = download_llama_pack(
             args.llama_pack_class,

@@ -1,11 +1,13 @@
 """The critic backend on in-process llama.cpp: batched decodes, exact label probabilities.
 
-Every judgement over k paragraphs is one multi-sequence decode
-(:class:`~.decoder.BatchedDecoder`): the prompts' common head is evaluated once, each paragraph in
-its own sequence. Label probabilities are the exact next-token log-probs of each label's first
-tokens under the full-vocabulary softmax, and scores are expectations under them, like the
-paper's. Answers and relevance share one decode when their prompts agree up to the end of the
-paragraph (the default prompts do), so each paragraph is evaluated once for both.
+Every call is one :class:`~.conversation.Conversation` on a :class:`~.decoder.BatchedDecoder`:
+all prompts are decoded together, and what they share is evaluated once (the system prompt and
+the question for all of them, a paragraph for its answer and its relevance). A whole paragraph
+judgement (:meth:`LlamaCppBackend.judge_paragraphs`) keeps its sequences in the KV cache from the
+first round to the second, so support and utility evaluate only what follows the paragraph (the
+answer and the question): each paragraph is read once for all four questions. Label
+probabilities are the exact next-token log-probs of each label's first tokens under the
+full-vocabulary softmax, and scores are expectations under them, like the paper's.
 
 All decoding runs on one worker thread per backend, in order (see
 :class:`~llama_index.packs.self_rag_rse.common.bridge.SerialWorker`).
@@ -19,10 +21,26 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from llama_index.core.prompts import BasePromptTemplate
 
 from llama_index.packs.self_rag_rse.common.bridge import SerialWorker
-from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder, SequenceOutput
+from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
+from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder
 from llama_index.packs.self_rag_rse.llamacpp.prompt_tokens import PromptTokenizer
-from llama_index.packs.self_rag_rse.self_rag.backend import CriticBackend, Generated, Scored, Values
-from llama_index.packs.self_rag_rse.self_rag.labels import LabelScale, logsumexp
+from llama_index.packs.self_rag_rse.llamacpp.session import Request, SequenceOutput
+from llama_index.packs.self_rag_rse.self_rag.backend import (
+    CriticBackend,
+    Generated,
+    JudgementPrompts,
+    ParagraphResult,
+    Scored,
+    Values,
+    prompt_values,
+)
+from llama_index.packs.self_rag_rse.self_rag.labels import (
+    RELEVANCE_SCALE,
+    SUPPORT_SCALE,
+    UTILITY_SCALE,
+    LabelScale,
+    logsumexp,
+)
 from llama_index.packs.self_rag_rse.self_rag.reflection import sequence_score
 
 if TYPE_CHECKING:
@@ -40,10 +58,14 @@ class LlamaCppBackend(CriticBackend):
         owner: the LlamaIndex LLM wrapping ``llama`` (a ``LlamaCPP``: its prompt formatting and
             system prompt are used), or ``llama`` itself.
         max_new_tokens: answer length cap.
-        n_seq_max: sequences decoded together.
+        n_seq_max: sequences decoded together; a judgement takes two per paragraph, so
+            ``n_seq_max // 2`` paragraphs are judged at a time.
         n_ctx: positions per sequence (default: the model's ``n_ctx``); longer paragraphs are
             shortened from their end with a warning.
-        n_threads: CPU threads for decoding (default: the model's).
+        n_threads: CPU threads for decoding (default: the model's ``n_threads_batch``, see
+            :class:`~.decoder.BatchedDecoder`).
+        share_prefixes: evaluate what prompts share once and carry the KV cache between the
+            rounds of a judgement (default); ``False`` decodes every prompt whole, for checks.
     """
 
     def __init__(
@@ -55,6 +77,7 @@ class LlamaCppBackend(CriticBackend):
         n_seq_max: int = 8,
         n_ctx: int | None = None,
         n_threads: int | None = None,
+        share_prefixes: bool = True,
     ) -> None:
         self.llama = llama
         self.max_new_tokens = max_new_tokens
@@ -64,6 +87,7 @@ class LlamaCppBackend(CriticBackend):
             n_ctx=n_ctx,
             n_batch=max(512, n_seq_max),
             n_threads=n_threads,
+            share_prefixes=share_prefixes,
         )
         self.tokenizer = PromptTokenizer(
             llama, llama if owner is None else owner, self.decoder.n_ctx
@@ -92,7 +116,7 @@ class LlamaCppBackend(CriticBackend):
         label_template: BasePromptTemplate,
         values: Sequence[Values],
     ) -> tuple[list[Generated | Exception], list[Scored | Exception]]:
-        """Answers and labels with each paragraph evaluated once for both (see the module)."""
+        """Answers and labels from one decode, what their prompts share evaluated once."""
         return await self._worker.run(
             self._held,
             self.generate_and_score_blocking,
@@ -100,6 +124,21 @@ class LlamaCppBackend(CriticBackend):
             scale,
             label_template,
             values,
+        )
+
+    async def judge_paragraphs(
+        self,
+        query: str,
+        paragraphs: Sequence[str],
+        prompts: JudgementPrompts,
+        generator: CriticBackend | None = None,
+    ) -> list[ParagraphResult]:
+        """The four questions of every paragraph, each paragraph evaluated once (see the
+        module); answers written by another ``generator`` take the contract's two rounds."""
+        if generator is not None and generator is not self:
+            return await super().judge_paragraphs(query, paragraphs, prompts, generator)
+        return await self._worker.run(
+            self._held, self.judge_paragraphs_blocking, query, paragraphs, prompts
         )
 
     def close(self) -> None:
@@ -118,18 +157,20 @@ class LlamaCppBackend(CriticBackend):
     ) -> list[Scored | Exception]:
         """:meth:`score` in the calling thread."""
         self._check_open()
-        groups = self.tokenizer.label_ids(scale)
-        prompts = self._prompts(template, values, 1)
-        outputs = self._decode(prompts, 1, [t for g in groups for t in g])
-        return [_scored(out, scale, groups) for out in outputs]
+        requests = self._label_requests(scale, template, values)
+        with self.decoder.conversation() as conversation:
+            outputs = conversation.run(requests)
+        return [self._scored(out, scale) for out in outputs]
 
     def generate_blocking(
         self, template: BasePromptTemplate, values: Sequence[Values]
     ) -> list[Generated | Exception]:
         """:meth:`generate` in the calling thread."""
         self._check_open()
-        prompts = self._prompts(template, values, self.max_new_tokens)
-        return [self._generated(out) for out in self._decode(prompts, self.max_new_tokens, [])]
+        requests = self._answer_requests(template, values)
+        with self.decoder.conversation() as conversation:
+            outputs = conversation.run(requests)
+        return [self._generated(out) for out in outputs]
 
     def generate_and_score_blocking(
         self,
@@ -141,41 +182,90 @@ class LlamaCppBackend(CriticBackend):
         """:meth:`generate_and_score` in the calling thread.
 
         The two prompts usually agree up to the end of the paragraph (question, then paragraph,
-        then the instruction): the decoder evaluates that once per paragraph and continues it
-        with each instruction (``tails``). Templates that differ before that, or instructions
-        that tokenize differently after different paragraphs, get one decode each, as
-        :meth:`generate` and :meth:`score` would; so does a decoder of one sequence at a time.
+        then the instruction): that part is evaluated once per paragraph and continued by each
+        instruction. Prompts that agree less share less; nothing else changes.
         """
         self._check_open()
-        groups = self.tokenizer.label_ids(scale)
-        answer_prompts = self._prompts(answer_template, values, self.max_new_tokens)
-        label_prompts = self._prompts(label_template, values, 1)
-        n_prefix = _common_prefix_length([*answer_prompts, *label_prompts])
-        forks = [
-            _common_prefix_length(pair) for pair in zip(answer_prompts, label_prompts, strict=True)
-        ]
-        answer_tails = {tuple(p[f:]) for p, f in zip(answer_prompts, forks, strict=True)}
-        label_tails = {tuple(p[f:]) for p, f in zip(label_prompts, forks, strict=True)}
-        track = [t for g in groups for t in g]
-        shared = n_prefix > 0 and len(answer_tails) == len(label_tails) == 1
-        if not shared or self.decoder.n_seq_max < 2:
-            answer_outputs = self._decode(answer_prompts, self.max_new_tokens, [])
-            label_outputs = self._decode(label_prompts, 1, track)
-        else:
-            outputs = self.decoder.generate(
-                answer_prompts[0][:n_prefix],
-                [p[n_prefix:f] for p, f in zip(answer_prompts, forks, strict=True)],
-                tails=[*answer_tails, *label_tails],
-                max_new_tokens=[self.max_new_tokens, 1],
-                track_ids=track,
-            )
-            answer_outputs, label_outputs = outputs[0::2], outputs[1::2]
-        return (
-            [self._generated(out) for out in answer_outputs],
-            [_scored(out, scale, groups) for out in label_outputs],
-        )
+        with self.decoder.conversation() as conversation:
+            return self._first_round(conversation, answer_template, scale, label_template, values)
+
+    def judge_paragraphs_blocking(
+        self, query: str, paragraphs: Sequence[str], prompts: JudgementPrompts
+    ) -> list[ParagraphResult]:
+        """:meth:`judge_paragraphs` in the calling thread.
+
+        One conversation: per group of ``n_seq_max // 2`` paragraphs, the answers with the
+        relevance labels, then the support and utility labels, whose prompts continue the
+        first round's sequences where their tokens agree (the default prompts: everything up
+        to the end of the paragraph). Templates that agree less are evaluated further, as
+        separate decodes would; the results are the same either way.
+        """
+        self._check_open()
+        results: list[ParagraphResult] = []
+        width = max(1, self.decoder.n_seq_max // 2)
+        with self.decoder.conversation() as conversation:
+            for start in range(0, len(paragraphs), width):
+                group = paragraphs[start : start + width]
+                values = [prompt_values(query, text) for text in group]
+                answers, relevance = self._first_round(
+                    conversation, prompts.answer, RELEVANCE_SCALE, prompts.relevance, values
+                )
+                part = [
+                    ParagraphResult(answer, {"relevance": rel})
+                    for answer, rel in zip(answers, relevance, strict=True)
+                ]
+                live = [
+                    (i, result.answer.text)
+                    for i, result in enumerate(part)
+                    if isinstance(result.answer, Generated)
+                ]
+                support = self._label_requests(
+                    SUPPORT_SCALE,
+                    prompts.support,
+                    [prompt_values(query, group[i], text) for i, text in live],
+                )
+                utility = self._label_requests(
+                    UTILITY_SCALE,
+                    prompts.utility,
+                    [prompt_values(query, None, text) for _, text in live],
+                )
+                outputs = conversation.run([*support, *utility])
+                for k, (i, _) in enumerate(live):
+                    part[i].scores["support"] = self._scored(outputs[k], SUPPORT_SCALE)
+                    part[i].scores["utility"] = self._scored(outputs[len(live) + k], UTILITY_SCALE)
+                results += part
+        return results
 
     # --- helpers -------------------------------------------------------------------------------
+
+    def _first_round(
+        self,
+        conversation: Conversation,
+        answer_template: BasePromptTemplate,
+        scale: LabelScale,
+        label_template: BasePromptTemplate,
+        values: Sequence[Values],
+    ) -> tuple[list[Generated | Exception], list[Scored | Exception]]:
+        """Answers and labels of the same values, decoded together."""
+        answers = self._answer_requests(answer_template, values)
+        labels = self._label_requests(scale, label_template, values)
+        outputs = conversation.run([*answers, *labels])
+        return (
+            [self._generated(out) for out in outputs[: len(answers)]],
+            [self._scored(out, scale) for out in outputs[len(answers) :]],
+        )
+
+    def _answer_requests(
+        self, template: BasePromptTemplate, values: Sequence[Values]
+    ) -> list[Request]:
+        n = self.max_new_tokens
+        return [Request(self.tokenizer.fitted(template, dict(v), n), n) for v in values]
+
+    def _label_requests(
+        self, scale: LabelScale, template: BasePromptTemplate, values: Sequence[Values]
+    ) -> list[Request]:
+        track = [t for group in self.tokenizer.label_ids(scale) for t in group]
+        return [Request(self.tokenizer.fitted(template, dict(v), 1), 1, track) for v in values]
 
     def _check_open(self) -> None:
         # llama-cpp-python's tokenize on a closed Llama touches freed memory: check first.
@@ -186,12 +276,6 @@ class LlamaCppBackend(CriticBackend):
         with self.decoder.hold():
             return func(*args)
 
-    def _prompts(
-        self, template: BasePromptTemplate, values: Sequence[Values], max_new: int
-    ) -> list[list[int]]:
-        """One fitted prompt per values mapping."""
-        return [self.tokenizer.fitted(template, dict(v), max_new) for v in values]
-
     def _generated(self, out: SequenceOutput) -> Generated | Exception:
         if out.error is not None:
             return RuntimeError(out.error)
@@ -199,45 +283,11 @@ class LlamaCppBackend(CriticBackend):
         text = self.llama.detokenize(kept).decode("utf-8", errors="ignore").strip()
         return Generated(text, sequence_score(out.token_logprobs), len(out.tokens))
 
-    def _decode(
-        self, prompts: list[list[int]], max_new: int, track: list[int]
-    ) -> list[SequenceOutput]:
-        """Decode the prompts together: their common head once, then one sequence each."""
-        n_prefix = _common_prefix_length(prompts)
-        if n_prefix == 0:  # nothing shared (no BOS, no chat markup): decode one by one
-            return [
-                self.decoder.generate(p, [[]], max_new_tokens=max_new, track_ids=track)[0]
-                for p in prompts
-            ]
-        rests = [p[n_prefix:] for p in prompts]
-        n_tail = _common_prefix_length([r[::-1] for r in rests])
-        return self.decoder.generate(
-            prompts[0][:n_prefix],
-            [r[: len(r) - n_tail] for r in rests],
-            max_new_tokens=max_new,
-            track_ids=track,
-            suffix_tail=rests[0][len(rests[0]) - n_tail :],
-        )
-
-
-def _scored(
-    out: SequenceOutput, scale: LabelScale, groups: Sequence[Sequence[int]]
-) -> Scored | Exception:
-    if out.error is not None or len(out.tracked_logprobs) == 0:
-        return RuntimeError(out.error or "no logits")
-    label_lps = group_logprobs(out.tracked_logprobs[0], groups)
-    return Scored(scale.expected_value(label_lps), "logprobs", None, 1)
-
-
-def _common_prefix_length(sequences: Sequence[Sequence[int]]) -> int:
-    if not sequences:
-        return 0
-    n = min(len(s) for s in sequences)
-    first = sequences[0]
-    for i in range(n):
-        if any(s[i] != first[i] for s in sequences[1:]):
-            return i
-    return n
+    def _scored(self, out: SequenceOutput, scale: LabelScale) -> Scored | Exception:
+        if out.error is not None or len(out.tracked_logprobs) == 0:
+            return RuntimeError(out.error or "no logits")
+        label_lps = group_logprobs(out.tracked_logprobs[0], self.tokenizer.label_ids(scale))
+        return Scored(scale.expected_value(label_lps), "logprobs", None, 1)
 
 
 def group_logprobs(row: Sequence[float] | Any, groups: Sequence[Sequence[int]]) -> list[float]:

@@ -1,9 +1,8 @@
-"""Sequences of the batched decoder: their inputs, what one holds while decoding, what it
-returns, and a prompt held open in the KV cache between calls.
+"""Sequences of the batched decoder: what one holds while decoding, what it returns, and a
+prompt held open in the KV cache between calls.
 
-These pieces need no llama.cpp call of their own: :class:`PromptSession` drives its decoder, and
-the greedy step works on logits the decoder already copied out. They live apart from
-:mod:`.decoder` so that module stays about the native context and the batching.
+These pieces need no llama.cpp call of their own: :class:`PromptSession` drives a
+:class:`~.conversation.Conversation`, and the greedy step works on logits already copied out.
 """
 
 from __future__ import annotations
@@ -15,8 +14,31 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numpy.typing import NDArray
 
+from llama_index.packs.self_rag_rse.llamacpp.context import DecodeError
+
 if TYPE_CHECKING:
-    from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder
+    from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
+
+
+@dataclass
+class Request:
+    """One prompt to decode: continue ``tokens`` greedily for at most ``max_new_tokens``.
+
+    ``track_ids`` select the columns of the output's ``tracked_logprobs``; generation stops at
+    an end-of-generation token or at one of ``stop_ids``. ``max_new_tokens=0`` only evaluates
+    the prompt into the KV cache; ``1`` reads the log-probs after it (a label). ``keep`` holds
+    the sequence (prompt and generated tokens) for the conversation's later calls, unchanged:
+    they copy from it. Other sequences stay in the cache too while there is room, and a later
+    call may continue one of them in place. ``truncated`` is handed back in the output (tokens
+    the caller cut to fit).
+    """
+
+    tokens: Sequence[int]
+    max_new_tokens: int = 0
+    track_ids: Sequence[int] = ()
+    stop_ids: Sequence[int] = ()
+    keep: bool = False
+    truncated: int = 0
 
 
 @dataclass
@@ -42,18 +64,23 @@ class SequenceOutput:
 
 @dataclass
 class Slot:
-    """Book-keeping of one live sequence inside a group (internal to the decoder)."""
+    """Book-keeping of one sequence being decoded (internal to the decoder)."""
 
-    index: int  # position in the caller's list
+    index: int  # position in the caller's list (-1: an edge no caller sees)
     seq_id: int
     feed: list[int]  # tokens still to be evaluated before the next logits are needed
     pos: int  # position of feed[0]
     max_new: int
+    track: NDArray[np.intp] = field(default_factory=lambda: np.empty(0, dtype=np.intp))
+    stops: frozenset[int] = frozenset()
     truncated: int = 0
+    keep: bool = False  # the caller wants the sequence kept (see Request.keep)
     tokens: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
     tracked: list[NDArray[np.float64]] = field(default_factory=list)
     finish_reason: str | None = None
+    fed: int = 0  # generated tokens evaluated back into the sequence
+    logits: NDArray[np.float32] | None = None  # the last logits read (after all fed tokens)
 
 
 def track_array(track_ids: Sequence[int], n_vocab: int) -> NDArray[np.intp]:
@@ -92,22 +119,17 @@ def fit_suffixes(
     return feeds, truncated
 
 
-def greedy_step(
-    slot: Slot,
-    logits: NDArray[np.float32],
-    track: NDArray[np.intp],
-    stops: frozenset[int],
-    is_eog: Callable[[int], bool],
-) -> None:
+def greedy_step(slot: Slot, logits: NDArray[np.float32], is_eog: Callable[[int], bool]) -> None:
     """Record the exact log-probs at this position, append the argmax, decide whether to stop."""
+    slot.logits = logits
     row = logits.astype(np.float64)
     token = int(np.argmax(row))  # first maximum, like llama.cpp's greedy sampler
     top = row[token]
     log_z = top + np.log(np.sum(np.exp(row - top)))
     slot.tokens.append(token)
     slot.token_logprobs.append(float(top - log_z))
-    slot.tracked.append(row[track] - log_z)
-    if is_eog(token) or token in stops:
+    slot.tracked.append(row[slot.track] - log_z)
+    if is_eog(token) or token in slot.stops:
         slot.finish_reason = "stop"
     elif len(slot.tokens) >= slot.max_new:
         slot.finish_reason = "length"
@@ -115,20 +137,18 @@ def greedy_step(
         slot.feed = [token]
 
 
-def collect(slots: list[Slot], outputs: list[SequenceOutput | None], n_tracked: int) -> None:
-    """Move finished slots into ``outputs`` (at each slot's ``index``)."""
-    for slot in slots:
-        if slot.finish_reason is None:
-            continue
-        outputs[slot.index] = SequenceOutput(
-            tokens=slot.tokens,
-            token_logprobs=np.asarray(slot.token_logprobs, dtype=np.float64),
-            tracked_logprobs=(
-                np.vstack(slot.tracked) if slot.tracked else np.empty((0, n_tracked))
-            ),
-            finish_reason=slot.finish_reason,
-            truncated=slot.truncated,
-        )
+def output(slot: Slot) -> SequenceOutput:
+    """What a finished slot produced."""
+    assert slot.finish_reason is not None
+    return SequenceOutput(
+        tokens=slot.tokens,
+        token_logprobs=np.asarray(slot.token_logprobs, dtype=np.float64),
+        tracked_logprobs=(
+            np.vstack(slot.tracked) if slot.tracked else np.empty((0, len(slot.track)))
+        ),
+        finish_reason=slot.finish_reason,
+        truncated=slot.truncated,
+    )
 
 
 def failed(error: str, n_tracked: int, truncated: int = 0) -> SequenceOutput:
@@ -150,33 +170,23 @@ class PromptSession:
     once the ``Llama`` was closed, also when that happened inside the session's ``with`` block.
     """
 
-    def __init__(self, decoder: BatchedDecoder, prompt: list[int]) -> None:
-        self._decoder = decoder
+    def __init__(self, conversation: Conversation, prompt: list[int]) -> None:
+        self._conversation = conversation
         self._prompt = prompt
-        self._logits: NDArray[np.float32] | None = None
-        self._epoch = -1
         self._closed = False
 
-    def _ready(self, extra_cells: int) -> NDArray[np.float32]:
-        """Evaluate the prompt unless the KV cache still holds it from this session."""
+    def _run(self, request: Request) -> SequenceOutput:
         if self._closed:
             raise RuntimeError("the session is closed: use it inside its `with` block only")
-        decoder = self._decoder
-        decoder.check_open()
-        decoder._ensure_context(decoder._cells_needed(len(self._prompt), [(0, [extra_cells])]))
-        if self._logits is None or self._epoch != decoder._epoch:
-            decoder._memory_clear()
-            self._epoch = decoder._epoch
-            self._logits = None  # stays None if evaluation fails
-            self._logits = decoder._eval_prefix(self._prompt)
-        return self._logits
+        (out,) = self._conversation.run([request])
+        if out.error is not None:
+            raise DecodeError(out.error)
+        return out
 
     def logprobs(self, track_ids: Sequence[int]) -> NDArray[np.float64]:
         """Full-vocabulary log-probs of ``track_ids`` for the token after the prompt."""
-        track = track_array(track_ids, self._decoder.n_vocab)
-        row = self._ready(1).astype(np.float64)
-        top = row.max()
-        return row[track] - (top + np.log(np.sum(np.exp(row - top))))
+        out = self._run(Request(self._prompt, 1, track_ids, keep=True))
+        return np.asarray(out.tracked_logprobs[0], dtype=np.float64)
 
     def generate(
         self,
@@ -189,25 +199,8 @@ class PromptSession:
         """Greedy continuation after the prompt and the ``forced`` tokens (not part of the output).
 
         Each call starts again from the bare prompt, so a session can try several forced
-        openings. Raises :class:`~.decoder.DecodeError` when llama.cpp fails.
+        openings; the prompt is evaluated once for all of them (and for :meth:`logprobs`).
+        Raises :class:`~.context.DecodeError` when llama.cpp fails.
         """
-        decoder = self._decoder
-        forced_tokens = [int(t) for t in forced]
-        if len(self._prompt) + len(forced_tokens) + max_new_tokens > decoder.n_ctx:
-            raise ValueError(
-                f"prompt ({len(self._prompt)}) + forced ({len(forced_tokens)}) + max_new_tokens "
-                f"({max_new_tokens}) exceed n_ctx={decoder.n_ctx}"
-            )
-        track = track_array(track_ids, decoder.n_vocab)
-        start_logits = self._ready(len(forced_tokens) + max_new_tokens)
-        decoder._share_prefix(1, len(self._prompt))
-        slot = Slot(0, 0, forced_tokens, len(self._prompt), max_new_tokens)
-        try:
-            decoder._run([slot], start_logits, track, frozenset(int(t) for t in stop_ids))
-        except BaseException:
-            self._logits = None  # the cache may hold half a batch: re-read the prompt next time
-            raise
-        outputs: list[SequenceOutput | None] = [None]
-        collect([slot], outputs, len(track))
-        assert outputs[0] is not None
-        return outputs[0]
+        tokens = [*self._prompt, *(int(t) for t in forced)]
+        return self._run(Request(tokens, max_new_tokens, track_ids, stop_ids))

@@ -3,7 +3,9 @@
 The member chunks are stitched (:mod:`~llama_index.packs.self_rag_rse.rse.stitching`); where the
 stitch finds a hole the postprocessor could not see before (offsets and texts that disagree),
 the segment becomes one node per side of the hole, each with its own true ranges, instead of
-one node with text nobody has.
+one node with text nobody has. Chunks ingested with contextual headers give each node one
+header naming its document and section(s), shown to the answer LLM before the segment text
+(:func:`~llama_index.packs.self_rag_rse.context.segment_header.add_segment_header`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from llama_index.core.schema import NodeRelationship, TextNode
 
+from llama_index.packs.self_rag_rse.context.segment_header import add_segment_header
 from llama_index.packs.self_rag_rse.rse.ordering import linked
 from llama_index.packs.self_rag_rse.rse.stitching import find_breaks, stitch_chunks
 from llama_index.packs.self_rag_rse.rse.types import Segment
@@ -46,6 +49,8 @@ def segment_nodes(segment: Segment, chunk_index_key: str) -> list[TextNode]:
 
     Metadata shared by every member is kept, minus ``chunk_index_key`` (a segment is not one
     chunk); the :data:`SEGMENT_METADATA_KEYS` are added and hidden from embedding and LLM text.
+    When the members carry contextual headers, each node also gets ``segment_header``, the only
+    metadata its LLM text shows (once, before the span's text).
     """
     members = segment.members
     texts = [m.get_content() for m in members]
@@ -93,16 +98,16 @@ def segment_nodes(segment: Segment, chunk_index_key: str) -> list[TextNode]:
             "segment_breaks": breaks,
         }
         node_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"rse:{segment.doc_id}:{first}:{stop}"))
-        nodes.append(
-            TextNode(
-                id_=node_id,
-                text=piece.text,
-                metadata=metadata,
-                excluded_llm_metadata_keys=hidden,
-                excluded_embed_metadata_keys=list(hidden),
-                relationships=dict(relationships),
-                start_char_idx=piece.start_char if known else None,
-                end_char_idx=piece.end_char if known else None,
-            )
+        node = TextNode(
+            id_=node_id,
+            text=piece.text,
+            metadata=metadata,
+            excluded_llm_metadata_keys=hidden,
+            excluded_embed_metadata_keys=list(hidden),
+            relationships=dict(relationships),
+            start_char_idx=piece.start_char if known else None,
+            end_char_idx=piece.end_char if known else None,
         )
+        add_segment_header(node, members[piece.first : piece.stop])
+        nodes.append(node)
     return nodes

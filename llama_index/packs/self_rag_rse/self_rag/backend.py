@@ -2,8 +2,10 @@
 
 A critic needs two things from a model: *continue these k prompts* (the answers) and *report the
 probabilities of these label groups at the next position* (Yes/No, Yes/Partly/No, 1..5). A
-:class:`CriticBackend` does both for a batch of prompts built from one template, so a critic
-never asks which model it has: in-process llama.cpp
+:class:`CriticBackend` does both for a batch of prompts built from one template, and the whole
+judgement of k paragraphs (:meth:`CriticBackend.judge_paragraphs`: answer, relevance, support,
+utility) as one call that a backend may do in fewer steps, so a critic never asks which model it
+has: in-process llama.cpp
 (:class:`~llama_index.packs.self_rag_rse.llamacpp.backend.LlamaCppBackend`, one batched decode,
 exact label probabilities) and any LlamaIndex LLM
 (:class:`~llama_index.packs.self_rag_rse.self_rag.llm_backend.LLMBackend`, concurrent calls,
@@ -19,12 +21,17 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llama_index.core.prompts import BasePromptTemplate
 
-from llama_index.packs.self_rag_rse.self_rag.labels import LabelScale
+from llama_index.packs.self_rag_rse.self_rag.labels import (
+    RELEVANCE_SCALE,
+    SUPPORT_SCALE,
+    UTILITY_SCALE,
+    LabelScale,
+)
 
 #: One prompt's template variables (``query_str``, ``context_str``, ``answer_str``).
 Values = Mapping[str, Any]
@@ -52,6 +59,28 @@ class Generated:
     text: str
     seq_score: float | None = None
     generated_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class JudgementPrompts:
+    """The templates of a paragraph judgement: the answer from the paragraph, then whether the
+    paragraph is relevant (Yes/No), supports the answer (Yes/Partly/No) and how useful the
+    answer is (1-5)."""
+
+    answer: BasePromptTemplate
+    relevance: BasePromptTemplate
+    support: BasePromptTemplate
+    utility: BasePromptTemplate
+
+
+@dataclass
+class ParagraphResult:
+    """What a judgement found for one paragraph: the answer and the ``relevance``, ``support``
+    and ``utility`` scores (support and utility are missing when there was no answer); a part
+    that failed is the exception."""
+
+    answer: Generated | Exception
+    scores: dict[str, Scored | Exception] = field(default_factory=dict)
 
 
 def prompt_values(query: str, paragraph: str | None = None, answer: str | None = None) -> Values:
@@ -98,6 +127,60 @@ class CriticBackend(ABC):
             self.generate(answer_template, values), self.score(scale, label_template, values)
         )
         return answers, labels
+
+    async def judge_paragraphs(
+        self,
+        query: str,
+        paragraphs: Sequence[str],
+        prompts: JudgementPrompts,
+        generator: CriticBackend | None = None,
+    ) -> list[ParagraphResult]:
+        """Answer ``query`` from each paragraph and score the paragraph and its answer.
+
+        Two rounds: every answer (written by ``generator``, default this backend) and every
+        paragraph's relevance, then the support and utility of every answer. Results are in
+        input order. Backends that can carry work from one round to the next (llama.cpp reads
+        each paragraph once for all four questions) override this; the default asks
+        :meth:`generate_and_score` and :meth:`score`.
+        """
+        if not paragraphs:
+            return []
+        values = [prompt_values(query, text) for text in paragraphs]
+        if generator is None or generator is self:
+            answers, relevance = await self.generate_and_score(
+                prompts.answer, RELEVANCE_SCALE, prompts.relevance, values
+            )
+        else:
+            answers, relevance = await asyncio.gather(
+                generator.generate(prompts.answer, values),
+                self.score(RELEVANCE_SCALE, prompts.relevance, values),
+            )
+        results = [
+            ParagraphResult(answer, {"relevance": rel})
+            for answer, rel in zip(answers, relevance, strict=True)
+        ]
+        live = [
+            (i, result.answer.text)
+            for i, result in enumerate(results)
+            if isinstance(result.answer, Generated)
+        ]
+        if live:
+            support, utility = await asyncio.gather(
+                self.score(
+                    SUPPORT_SCALE,
+                    prompts.support,
+                    [prompt_values(query, paragraphs[i], text) for i, text in live],
+                ),
+                self.score(
+                    UTILITY_SCALE,
+                    prompts.utility,
+                    [prompt_values(query, None, text) for _, text in live],
+                ),
+            )
+            for (i, _), sup, use in zip(live, support, utility, strict=True):
+                results[i].scores["support"] = sup
+                results[i].scores["utility"] = use
+        return results
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Free what the backend holds (never the model it was given)."""

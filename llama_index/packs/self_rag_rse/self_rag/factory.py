@@ -96,9 +96,12 @@ def build_critic(
 ) -> BuiltCritic:
     """Choose and build the critic the engine's arguments ask for.
 
-    ``critic`` is ``"reflection"`` (a llama.cpp model with Self-RAG's reflection tokens),
-    ``"prompted"`` (any LLM), ``"auto"`` (reflection when the model has every reflection token,
-    prompted otherwise, with a warning when it has only some) or a built critic.
+    ``critic`` is ``"reflection"`` (a llama.cpp model with Self-RAG's reflection tokens, or an
+    OpenAI-compatible LLM whose server serves one), ``"prompted"`` (any LLM), ``"auto"``
+    (reflection when the model has every reflection token, prompted otherwise, with a warning
+    when it has only some) or a built critic. For a served LLM (``OpenAILike``,
+    ``OpenAI(api_base=...)``), ``"auto"`` asks the server whether its model has the tokens:
+    completion models only, never a hosted API such as api.openai.com.
     """
     if not isinstance(critic, str):
         if llm is not None or model_path is not None:
@@ -208,7 +211,11 @@ def _choose(critic: str, llm: Any, generator_llm: Any, *, max_new_tokens: int) -
                 warnings.warn(message, stacklevel=4)
             else:
                 logger.info("model has no reflection tokens: using the prompted critic")
-    elif critic == "reflection":
+    elif critic in ("auto", "reflection") and generator_llm is None:
+        served = _served_reflection(critic, llm, max_new_tokens=max_new_tokens)
+        if served is not None:
+            return served
+    if critic == "reflection":
         if generator_llm is not None:
             raise ValueError(
                 "critic='reflection' scores the model's own answers: generator_llm= works with "
@@ -216,8 +223,57 @@ def _choose(critic: str, llm: Any, generator_llm: Any, *, max_new_tokens: int) -
             )
         raise ValueError(
             "critic='reflection' needs a llama.cpp model with Self-RAG reflection tokens "
-            "(model_path=, a LlamaCPP or a llama_cpp.Llama); use critic='prompted' for other LLMs"
+            "(model_path=, a LlamaCPP or a llama_cpp.Llama) or an OpenAI-compatible LLM on a "
+            "server that serves one (OpenAILike(api_base=...)); use critic='prompted' for other "
+            "LLMs"
         )
     from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
 
     return PromptedCritic(llm, generator_llm=generator_llm, max_new_tokens=max_new_tokens)
+
+
+def _served_reflection(critic: str, llm: Any, *, max_new_tokens: int) -> Critic | None:
+    """The served reflection critic for an OpenAI-compatible LLM whose server has the tokens.
+
+    ``None`` when ``llm`` is not served, or (``critic="auto"``) when it is a chat model, a hosted
+    API, or its server's model lacks (or cannot identify) the reflection tokens. With
+    ``critic="reflection"`` those cases raise, and so does an unreachable server in both modes.
+    """
+    from llama_index.packs.self_rag_rse.served.endpoint import endpoint_of
+
+    endpoint = endpoint_of(llm)
+    if endpoint is None:
+        return None
+    if critic == "auto" and (endpoint.is_chat_model or endpoint.hosted):
+        return None
+    from llama_index.packs.self_rag_rse.self_rag.reflection_critic import MissingReflectionTokens
+    from llama_index.packs.self_rag_rse.served.apis import ReflectionTokensUnidentifiable
+    from llama_index.packs.self_rag_rse.served.reflection_critic import ServedReflectionCritic
+
+    served = ServedReflectionCritic.from_llm(llm, max_new_tokens=max_new_tokens)
+    try:
+        info = served.connect()
+    except (MissingReflectionTokens, ReflectionTokensUnidentifiable) as problem:
+        served.close()
+        if critic == "reflection":
+            raise
+        partial = isinstance(problem, MissingReflectionTokens) and problem.found
+        if partial or isinstance(problem, ReflectionTokensUnidentifiable):
+            message = f"{problem}; the prompted critic is used (critic='prompted' silences this)"
+            logger.warning(message)
+            warnings.warn(message, stacklevel=5)
+        else:
+            logger.info("served model has no reflection tokens: using the prompted critic")
+        return None
+    except BaseException:
+        served.close()
+        raise
+    if critic == "auto" and not info.verified:
+        served.close()
+        logger.info(
+            "%s cannot confirm reflection tokens: using the prompted critic (pass "
+            "critic='reflection' to use the served reflection critic anyway)",
+            endpoint.base_url,
+        )
+        return None
+    return served

@@ -14,17 +14,16 @@ relevance and support in [0, 1] (support = p(Yes) + 0.5·p(Partly)), utility in 
 
 The critic talks to its models through the :class:`~.backend.CriticBackend` contract only: how
 label probabilities are read (exact next-token log-probs on llama.cpp, returned log-probs or a
-parsed reply elsewhere) is the backend's business. Every :class:`~.contract.ParagraphJudgement`
-records in ``details`` how each score was obtained (``"logprobs"``, ``"parsed"`` or
-``"fallback"``).
+parsed reply elsewhere), and how the four questions of a paragraph share work (llama.cpp reads
+each paragraph once for all of them), is the backend's business. Every
+:class:`~.contract.ParagraphJudgement` records in ``details`` how each score was obtained
+(``"logprobs"``, ``"parsed"`` or ``"fallback"``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from llama_index.core.instrumentation import get_dispatcher
@@ -35,17 +34,14 @@ from llama_index.core.prompts.mixin import PromptDictType
 from llama_index.packs.self_rag_rse.self_rag.backend import (
     CriticBackend,
     Generated,
+    JudgementPrompts,
+    ParagraphResult,
     Scored,
     prompt_values,
 )
 from llama_index.packs.self_rag_rse.self_rag.base_critic import BaseCritic
 from llama_index.packs.self_rag_rse.self_rag.contract import ParagraphJudgement, RetrievalDecision
-from llama_index.packs.self_rag_rse.self_rag.labels import (
-    RELEVANCE_SCALE,
-    RETRIEVAL_SCALE,
-    SUPPORT_SCALE,
-    UTILITY_SCALE,
-)
+from llama_index.packs.self_rag_rse.self_rag.labels import RETRIEVAL_SCALE
 from llama_index.packs.self_rag_rse.self_rag.prompts import DEFAULT_PROMPTS, as_template
 
 if TYPE_CHECKING:
@@ -53,14 +49,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
-
-
-@dataclass
-class _Paragraph:
-    """Everything gathered for one paragraph while judging."""
-
-    answer: Generated | Exception | None = None
-    scores: dict[str, Scored | Exception] = field(default_factory=dict)
 
 
 class PromptedCritic(BaseCritic):
@@ -87,22 +75,22 @@ class PromptedCritic(BaseCritic):
             ``False`` treats a ``LlamaCPP`` like any LLM (one ``complete`` per question, parsed).
         llm_kwargs: extra keyword arguments for every ``achat``/``acomplete`` call (e.g.
             ``{"max_tokens": 8}``), non-llama.cpp LLMs only.
-        n_seq_max, n_ctx, n_threads: batched llama.cpp decoding: sequences per decode, positions
-            per sequence (default: the model's ``n_ctx``; longer paragraphs are truncated with a
-            warning), CPU threads (default: the model's).
+        n_seq_max, n_ctx, n_threads: batched llama.cpp decoding: sequences decoded together (two
+            per paragraph: ``n_seq_max // 2`` paragraphs are judged at a time), positions per
+            sequence (default: the model's ``n_ctx``; longer paragraphs are truncated with a
+            warning), CPU threads (default: the model's ``n_threads_batch``, all cores unless
+            set; fewer when other busy work shares the machine).
+        backend, generator_backend: built :class:`~.backend.CriticBackend` objects, used instead
+            of building one from ``llm`` / ``generator_llm`` (e.g. a served model's backend).
 
     Each judgement's ``details`` says how each score was obtained: ``"logprobs"`` (label
     probabilities), ``"parsed"`` (label read from the reply) or ``"fallback"`` (unreadable reply,
     neutral score; ``details["notes"]`` says why), plus, when known, ``answer_tokens`` and
     ``generated_tokens`` (answer and label replies together). A failed paragraph has ``"error"``
-    there.
-    backend, generator_backend: built :class:`~.backend.CriticBackend` objects, used instead of
-        building one from ``llm`` / ``generator_llm`` (e.g. a served model's backend).
-    Synchronous methods run the async ones through the package's sync/async bridge, so they are
-    as parallel as the async ones.
+    there. Synchronous methods run the async ones through the package's sync/async bridge, so
+    they are as parallel as the async ones.
     """
 
-    name = "prompted"
     name = "prompted"
 
     def __init__(
@@ -236,44 +224,24 @@ class PromptedCritic(BaseCritic):
     async def ajudge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
         """Answer ``query`` from each paragraph and score each answer, in input order.
 
-        Two rounds: the answers and the relevance of every paragraph, then support and utility
-        of every answer. A paragraph whose call failed comes back with ``error`` set and zero
-        scores.
+        One backend call (:meth:`~.backend.CriticBackend.judge_paragraphs`): the answers and the
+        relevance of every paragraph, then support and utility of every answer. A paragraph
+        whose call failed comes back with ``error`` set and zero scores.
         """
         if not paragraphs:
             return []
-        values = [prompt_values(query, text) for text in paragraphs]
-        state = [_Paragraph() for _ in values]
-        if self.generator_backend is self.backend:
-            answers, relevance = await self.backend.generate_and_score(
-                self._prompts["answer_prompt"],
-                RELEVANCE_SCALE,
-                self._prompts["relevance_prompt"],
-                values,
-            )
-        else:
-            answers, relevance = await _both(
-                self.generator_backend.generate(self._prompts["answer_prompt"], values),
-                self.backend.score(RELEVANCE_SCALE, self._prompts["relevance_prompt"], values),
-            )
-        for item, answer, rel in zip(state, answers, relevance, strict=True):
-            item.answer = answer
-            item.scores["relevance"] = rel
+        results = await self.backend.judge_paragraphs(
+            query, paragraphs, self._judgement_prompts(), generator=self.generator_backend
+        )
+        return [_judgement(result) for result in results]
 
-        live = [i for i, item in enumerate(state) if isinstance(item.answer, Generated)]
-        if live:
-            answered = [
-                prompt_values(query, paragraphs[i], _answer_text(state[i].answer)) for i in live
-            ]
-            no_paragraph = [prompt_values(query, None, v["answer_str"]) for v in answered]
-            support, utility = await _both(
-                self.backend.score(SUPPORT_SCALE, self._prompts["support_prompt"], answered),
-                self.backend.score(UTILITY_SCALE, self._prompts["utility_prompt"], no_paragraph),
-            )
-            for i, sup, use in zip(live, support, utility, strict=True):
-                state[i].scores["support"] = sup
-                state[i].scores["utility"] = use
-        return [_judgement(item) for item in state]
+    def _judgement_prompts(self) -> JudgementPrompts:
+        return JudgementPrompts(
+            answer=self._prompts["answer_prompt"],
+            relevance=self._prompts["relevance_prompt"],
+            support=self._prompts["support_prompt"],
+            utility=self._prompts["utility_prompt"],
+        )
 
     @dispatcher.span
     async def agenerate(self, query: str) -> str:
@@ -292,17 +260,7 @@ class PromptedCritic(BaseCritic):
             self.generator_backend.close()
 
 
-async def _both(first: Any, second: Any) -> tuple[Any, Any]:
-    """Await two backend calls together (llama.cpp backends still run them in order)."""
-    a, b = await asyncio.gather(first, second)
-    return a, b
-
-
-def _answer_text(answer: Generated | Exception | None) -> str:
-    return answer.text if isinstance(answer, Generated) else ""
-
-
-def _judgement(item: _Paragraph) -> ParagraphJudgement:
+def _judgement(item: ParagraphResult) -> ParagraphJudgement:
     failures = [item.answer] if isinstance(item.answer, Exception) else []
     failures += [s for s in item.scores.values() if isinstance(s, Exception)]
     if failures:

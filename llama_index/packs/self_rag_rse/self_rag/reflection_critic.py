@@ -3,8 +3,8 @@
 A Self-RAG model critiques itself: after ``[Retrieval]<paragraph>...</paragraph>`` it writes
 ``[Relevant]``/``[Irrelevant]``, the answer, a grounding token and a ``[Utility:k]`` token. This
 critic reads the probabilities of those tokens straight from the logits of one batched llama.cpp
-pass over all paragraphs (:mod:`.llama_cpp_decoding`) and turns them into scores with the pure
-functions of :mod:`.reflection`.
+pass over all paragraphs (:class:`~llama_index.packs.self_rag_rse.llamacpp.decoder.BatchedDecoder`)
+and turns them into scores with the pure functions of :mod:`.reflection`.
 """
 
 from __future__ import annotations
@@ -66,11 +66,12 @@ class ReflectionCritic(BaseCritic):
             evaluation of the instruction. 10 matches Self-RAG's default ``ndocs``.
         n_ctx: maximum tokens of one prompt + paragraph + answer; longer paragraphs are truncated
             with a warning. Defaults to ``llm.n_ctx()``.
-        n_threads: CPU threads for decoding; defaults to the ``Llama``'s setting.
+        n_threads: CPU threads for decoding; defaults to the ``Llama``'s ``n_threads_batch``
+            (see the decoder: its steps are batches of all paragraphs).
         kv_unified, flash_attn: KV-cache layout and attention kernel of the batched context, see
-            :class:`~.llama_cpp_decoding.BatchedDecoder` (defaults: flash attention as the
-            ``Llama`` has it; a shared cache on GPU or with flash attention, one stream per
-            paragraph on CPU otherwise).
+            :class:`~llama_index.packs.self_rag_rse.llamacpp.decoder.BatchedDecoder` (defaults:
+            flash attention as the ``Llama`` has it; a shared cache on GPU or with flash
+            attention, one stream per paragraph on CPU otherwise).
 
     Raises:
         MissingReflectionTokens: (a ``ValueError``) when the model's vocabulary lacks a reflection

@@ -33,6 +33,8 @@ def paragraph_meta(c: Candidate) -> dict[str, Any]:
     }
     if j.error is not None:
         row["error"] = j.error
+    if j.details:
+        row["details"] = j.details
     return row
 
 

@@ -1,0 +1,107 @@
+"""Per-document cache of LLM results, so re-ingesting unchanged documents costs no LLM call.
+
+``IngestionPipeline``'s own cache keys a transformation's output on *all* the nodes it was given:
+change one document of a thousand and every document is sent to the LLM again. The context
+components therefore cache each LLM result on its own, keyed by a hash of the text it was
+computed from, the kind of result, the model (class and name) and the settings that shape it.
+
+The store is any LlamaIndex key-value store (``SimpleKVStore`` in memory by default; Redis,
+MongoDB, Postgres, ... through their integration packages), or a folder, which keeps a
+``SimpleKVStore`` persisted as ``<folder>/context_cache.json``. Several components may share one
+cache: their entries live in separate collections.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from llama_index.core.storage.kvstore import SimpleKVStore
+from llama_index.core.storage.kvstore.types import BaseKVStore
+
+__all__ = ["CACHE_FILE_NAME", "ContextCache", "model_id"]
+
+CACHE_FILE_NAME = "context_cache.json"
+_COLLECTION_PREFIX = "self_rag_rse_context"
+
+
+class ContextCache:
+    """LLM results keyed by content hash, in a LlamaIndex key-value store.
+
+    Example::
+
+        cache = ContextCache.from_dir("./context_cache")   # or ContextCache(RedisKVStore(...))
+        sectioner = DocumentSectioner(strategy="llm", llm=llm, cache=cache)
+        headers = ContextualHeaders(llm=llm, document_summary=True, cache=cache)
+    """
+
+    def __init__(self, store: BaseKVStore | None = None, persist_path: str | None = None) -> None:
+        self.store: BaseKVStore = store if store is not None else SimpleKVStore()
+        self.persist_path = persist_path
+        self._dirty = False
+
+    @classmethod
+    def from_dir(cls, folder: str | os.PathLike[str]) -> ContextCache:
+        """A cache kept in ``folder`` (created when missing), loaded if it exists."""
+        path = Path(folder) / CACHE_FILE_NAME
+        if path.is_file():
+            return cls(SimpleKVStore.from_persist_path(str(path)), persist_path=str(path))
+        return cls(SimpleKVStore(), persist_path=str(path))
+
+    @classmethod
+    def coerce(cls, value: Any) -> ContextCache:
+        """A cache from what a constructor was given: a cache, a key-value store, a folder, or
+        ``None`` (a fresh in-memory cache)."""
+        if value is None:
+            return cls()
+        if isinstance(value, ContextCache):
+            return value
+        if isinstance(value, BaseKVStore):
+            return cls(value)
+        if isinstance(value, (str, os.PathLike)):
+            return cls.from_dir(value)
+        raise TypeError(
+            f"cache must be a ContextCache, a LlamaIndex BaseKVStore, a folder path or None, "
+            f"got {type(value).__name__}"
+        )
+
+    @staticmethod
+    def key(*parts: Any) -> str:
+        """A stable key for the parts (texts, names, settings)."""
+        digest = hashlib.sha256()
+        for part in parts:
+            encoded = part if isinstance(part, str) else json.dumps(part, sort_keys=True)
+            digest.update(encoded.encode("utf-8", "surrogatepass"))
+            digest.update(b"\x00")
+        return digest.hexdigest()
+
+    async def aget(self, kind: str, key: str) -> dict[str, Any] | None:
+        """The cached entry of ``kind`` under ``key``, or ``None``."""
+        return await self.store.aget(key, collection=f"{_COLLECTION_PREFIX}/{kind}")
+
+    async def aput(self, kind: str, key: str, value: dict[str, Any]) -> None:
+        """Cache ``value`` (a JSON-able dict)."""
+        await self.store.aput(key, value, collection=f"{_COLLECTION_PREFIX}/{kind}")
+        self._dirty = True
+
+    def persist(self) -> None:
+        """Write the cache to its folder, if it has one and something new was cached."""
+        if self.persist_path is None or not self._dirty:
+            return
+        Path(self.persist_path).parent.mkdir(parents=True, exist_ok=True)
+        persist = getattr(self.store, "persist", None)
+        if persist is not None:
+            persist(self.persist_path)
+        self._dirty = False
+
+
+def model_id(llm: Any) -> str:
+    """The model an LLM runs, for cache keys: its class and its model name."""
+    try:
+        name = str(llm.metadata.model_name)
+    except Exception:  # an LLM without metadata still gets a key, by class alone
+        name = ""
+    return f"{type(llm).__name__}:{name}"

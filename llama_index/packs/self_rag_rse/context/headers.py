@@ -1,0 +1,374 @@
+"""Contextual chunk headers: say which document and section a chunk is from, in its embedding.
+
+dsRAG's observation: a chunk rarely names what it is about ("the treatment is X" without the
+disease), so questions naming the topic miss it. A short header naming the document and the
+section, embedded with the chunk, fixes that. The answer LLM should not read it once per chunk,
+so the header lives in metadata that core's machinery embeds but leaves out of the LLM text::
+
+    node.get_content(MetadataMode.EMBED)  ->  "Document: ...\\nSection: ...\\n\\n<chunk text>"
+    node.get_content(MetadataMode.LLM)    ->  "<chunk text>"
+
+(``metadata_template="{value}"``, every other key excluded from the embedded text, every key
+excluded from the LLM text). RSE segments carry the header once, before the segment text: see
+:func:`~llama_index.packs.self_rag_rse.context.segment_header.add_segment_header`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Sequence
+from pathlib import PurePath
+from typing import Any, Literal
+
+from llama_index.core.async_utils import run_jobs
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, SerializeAsAny
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.llms import LLM
+from llama_index.core.prompts import BasePromptTemplate
+from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
+
+from llama_index.packs.self_rag_rse.common.bridge import run_sync
+from llama_index.packs.self_rag_rse.common.options import pydantic_fields, reject_unknown
+from llama_index.packs.self_rag_rse.context.cache import ContextCache, model_id
+from llama_index.packs.self_rag_rse.context.compose import compose_header, section_label
+from llama_index.packs.self_rag_rse.context.keys import (
+    DOCUMENT_HEADING_KEY,
+    DOCUMENT_SUMMARY_KEY,
+    DOCUMENT_TITLE_KEY,
+    HEADER_KEY,
+    SECTION_INDEX_KEY,
+    SECTION_PATH_KEY,
+    SECTION_SUMMARY_KEY,
+)
+from llama_index.packs.self_rag_rse.context.prompts import (
+    DOCUMENT_SUMMARY_PROMPT,
+    DOCUMENT_TITLE_PROMPT,
+    SECTION_SUMMARY_PROMPT,
+)
+from llama_index.packs.self_rag_rse.context.usage import ContextUsage
+
+__all__ = ["ContextualHeaders"]
+
+logger = logging.getLogger(__name__)
+dispatcher = get_dispatcher(__name__)
+
+_PARTS = ("cache",)
+TitleSource = Literal["metadata", "heading", "llm", "file_name"]
+#: Longest title and summary kept from an LLM answer.
+MAX_TITLE_CHARS = 120
+MAX_SUMMARY_CHARS = 300
+
+
+class ContextualHeaders(TransformComponent):
+    """Compose each chunk's header (document title, optional summaries, section) for embedding.
+
+    Put it after the sectioner (or any splitter) and :class:`ChunkIndexer`, right before the
+    embedding model. The document title comes from the first of ``title_sources`` that has one:
+
+    - ``"metadata"``: the first of ``title_keys`` set on the document (a title you give wins);
+    - ``"heading"``: the document's own title heading, found by :class:`DocumentSectioner`;
+    - ``"llm"``: asked of ``llm`` from the start of the document (only when ``llm`` is given);
+    - ``"file_name"``: the file name without extension, ``_`` and ``-`` read as spaces.
+
+    ``document_summary`` / ``section_summary`` add one LLM sentence each (they need ``llm``).
+    LLM results are cached per document and section (content hash, model, prompt), so
+    re-ingesting unchanged documents costs no call; calls run ``num_workers`` at a time, with a
+    progress bar when the pipeline runs with ``show_progress=True``. Without ``llm`` the
+    component makes no model call at all.
+
+    The header is written to ``metadata[header_key]``, embedded with the text and hidden from the
+    LLM; every other metadata key (file paths included) is excluded from the embedded text, and
+    every key from the LLM text, so the answer LLM sees the bare chunk. Set ``file_path``-style
+    keys you want in prompts on the segment or response level instead.
+    """
+
+    llm: SerializeAsAny[LLM] | None = Field(
+        default=None, description="LLM for titles (when asked) and summaries; None: no LLM."
+    )
+    title_sources: list[TitleSource] | None = Field(
+        default=None,
+        description=(
+            "Where the document title comes from, first that has one wins. Default: metadata, "
+            "heading, llm (only when an llm is given), file_name."
+        ),
+    )
+    title_keys: list[str] = Field(
+        default_factory=lambda: [DOCUMENT_TITLE_KEY, "title"],
+        description="Metadata keys holding a title you give, in order.",
+    )
+    document_summary: bool = Field(
+        default=False, description="Add a one-sentence document summary (one LLM call each)."
+    )
+    section_summary: bool = Field(
+        default=False, description="Add a one-sentence section summary (one LLM call each)."
+    )
+    include_section: bool = Field(
+        default=True, description="Name the chunk's section (path of titles) in the header."
+    )
+    max_llm_chars: int = Field(
+        default=6_000,
+        description="Characters of a document or section the LLM reads for a title or summary.",
+    )
+    header_key: str = Field(default=HEADER_KEY, description="Metadata key of the header.")
+    num_workers: int = Field(default=4, description="LLM calls in flight at once.")
+    title_prompt: SerializeAsAny[BasePromptTemplate] = Field(
+        default=DOCUMENT_TITLE_PROMPT, description="Prompt for a title, with {text}."
+    )
+    document_summary_prompt: SerializeAsAny[BasePromptTemplate] = Field(
+        default=DOCUMENT_SUMMARY_PROMPT,
+        description="Prompt for a document summary, with {title} and {text}.",
+    )
+    section_summary_prompt: SerializeAsAny[BasePromptTemplate] = Field(
+        default=SECTION_SUMMARY_PROMPT,
+        description="Prompt for a section summary, with {title}, {section} and {text}.",
+    )
+
+    _cache: ContextCache = PrivateAttr()
+    _usage: ContextUsage = PrivateAttr(default_factory=ContextUsage)
+
+    def __init__(self, *, cache: Any = None, **kwargs: Any) -> None:
+        # Pydantic would drop a misspelt option silently and use its default.
+        reject_unknown(type(self).__name__, kwargs, pydantic_fields(type(self)) | set(_PARTS))
+        super().__init__(**kwargs)
+        name = type(self).__name__
+        for option in ("max_llm_chars", "num_workers"):
+            if getattr(self, option) < 1:
+                raise ValueError(
+                    f"{name}: {option} must be at least 1, got {getattr(self, option)}"
+                )
+        if self.llm is None:
+            wanted = [o for o in ("document_summary", "section_summary") if getattr(self, o)]
+            if wanted or "llm" in (self.title_sources or []):
+                asked = ", ".join(wanted + (["title_sources 'llm'"] if not wanted else []))
+                raise ValueError(
+                    f"{name}: {asked} needs an llm: pass llm=<a LlamaIndex LLM>, or leave it "
+                    "out for headers made without a model"
+                )
+        if self.title_sources is not None and not self.title_sources:
+            raise ValueError(f"{name}: title_sources is empty: name at least one source")
+        self._cache = ContextCache.coerce(cache)
+
+    @classmethod
+    def class_name(cls) -> str:
+        """Name used in serialisation."""
+        return "ContextualHeaders"
+
+    @property
+    def usage(self) -> ContextUsage:
+        """What the last call cost (documents, LLM calls, cache hits)."""
+        return self._usage
+
+    @property
+    def cache(self) -> ContextCache:
+        """The per-document cache of LLM titles and summaries."""
+        return self._cache
+
+    # -- TransformComponent -------------------------------------------------------------------
+    @dispatcher.span
+    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        """Write the header of every node (LLM calls, if any, through the package's bridge)."""
+        return run_sync(self.acall(nodes, **kwargs))
+
+    @dispatcher.span
+    async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        """Async :meth:`__call__`."""
+        started = time.perf_counter()
+        show_progress = bool(kwargs.get("show_progress", False))
+        documents = _by_document(nodes)
+        self._usage = ContextUsage(documents=len(documents))
+        titles = {doc: self._given_title(members) for doc, members in documents.items()}
+        need_title = [doc for doc, title in titles.items() if title is None]
+        found = await self._run(
+            [self._llm_title(documents[doc]) for doc in need_title], show_progress, "Titles"
+        )
+        for doc, title in zip(need_title, found, strict=True):
+            titles[doc] = title or _file_title(documents[doc])
+        summaries: dict[str, str] = {}
+        section_summaries: dict[tuple[str, Any], str] = {}
+        jobs: list[Awaitable[Any]] = []
+        keys: list[tuple[str, Any]] = []
+        if self.document_summary:
+            for doc, members in documents.items():
+                jobs.append(self._llm_document_summary(titles[doc] or "", members))
+                keys.append((doc, None))
+        if self.section_summary:
+            for doc, members in documents.items():
+                for section, part in _by_section(members).items():
+                    jobs.append(self._llm_section_summary(titles[doc] or "", part))
+                    keys.append((doc, section))
+        for (doc, section), text in zip(
+            keys, await self._run(jobs, show_progress, "Summaries"), strict=True
+        ):
+            if section is None:
+                summaries[doc] = text
+            else:
+                section_summaries[(doc, section)] = text
+        self._cache.persist()
+        for doc, members in documents.items():
+            for node in members:
+                self._write(
+                    node,
+                    titles[doc] or "",
+                    summaries.get(doc),
+                    section_summaries.get((doc, _section_of(node))),
+                )
+        self._usage.seconds = time.perf_counter() - started
+        return nodes
+
+    # -- titles and summaries -------------------------------------------------------------------
+    def _sources(self) -> list[str]:
+        if self.title_sources is not None:
+            return list(self.title_sources)
+        return ["metadata", "heading", *(["llm"] if self.llm is not None else []), "file_name"]
+
+    def _given_title(self, members: list[BaseNode]) -> str | None:
+        """The title from the sources before 'llm'; ``None`` when the LLM must be asked."""
+        metadata = members[0].metadata
+        for source in self._sources():
+            if source == "metadata":
+                for key in self.title_keys:
+                    value = metadata.get(key)
+                    if isinstance(value, str) and value.strip():
+                        return value.strip()
+            elif source == "heading":
+                heading = metadata.get(DOCUMENT_HEADING_KEY)
+                if isinstance(heading, str) and heading.strip():
+                    return heading.strip()
+            elif source == "llm":
+                return None
+            elif source == "file_name":
+                return _file_title(members)
+            else:
+                raise ValueError(
+                    f"{type(self).__name__}: unknown title source {source!r}; use metadata, "
+                    "heading, llm or file_name"
+                )
+        return ""
+
+    async def _llm_title(self, members: list[BaseNode]) -> str:
+        text = _joined_text(members)[: self.max_llm_chars]
+        answer = await self._ask("title", self.title_prompt, text=text)
+        return _first_line(answer, MAX_TITLE_CHARS)
+
+    async def _llm_document_summary(self, title: str, members: list[BaseNode]) -> str:
+        text = _joined_text(members)[: self.max_llm_chars]
+        answer = await self._ask(
+            "document_summary", self.document_summary_prompt, title=title, text=text
+        )
+        return _first_line(answer, MAX_SUMMARY_CHARS)
+
+    async def _llm_section_summary(self, title: str, members: list[BaseNode]) -> str:
+        label = section_label(members[0].metadata.get(SECTION_PATH_KEY) or [])
+        if not label:
+            return ""
+        text = _joined_text(members)[: self.max_llm_chars]
+        answer = await self._ask(
+            "section_summary", self.section_summary_prompt, title=title, section=label, text=text
+        )
+        return _first_line(answer, MAX_SUMMARY_CHARS)
+
+    async def _ask(self, kind: str, prompt: BasePromptTemplate, **variables: str) -> str:
+        """One LLM answer, from the cache when the same question was asked of the same model."""
+        assert self.llm is not None
+        key = ContextCache.key(kind, model_id(self.llm), prompt.get_template(), variables)
+        cached = await self._cache.aget(kind, key)
+        if cached is not None:
+            self._usage.cached += 1
+            return str(cached["text"])
+        self._usage.llm_calls += 1
+        text = await self.llm.apredict(prompt, **variables)
+        await self._cache.aput(kind, key, {"text": text})
+        return text
+
+    async def _run(self, jobs: list[Awaitable[Any]], show_progress: bool, what: str) -> list[Any]:
+        if not jobs:
+            return []
+        return await run_jobs(
+            jobs,  # type: ignore[arg-type]
+            show_progress=show_progress,
+            workers=self.num_workers,
+            desc=f"{what} (LLM)",
+        )
+
+    # -- writing ------------------------------------------------------------------------------
+    def _write(
+        self, node: BaseNode, title: str, summary: str | None, section_summary: str | None
+    ) -> None:
+        path = (node.metadata.get(SECTION_PATH_KEY) or []) if self.include_section else []
+        header = compose_header(
+            title, summary, path, section_summary if self.include_section else None
+        )
+        node.metadata[DOCUMENT_TITLE_KEY] = title
+        if summary is not None:
+            node.metadata[DOCUMENT_SUMMARY_KEY] = summary
+        if section_summary is not None:
+            node.metadata[SECTION_SUMMARY_KEY] = section_summary
+        if not header:
+            node.metadata.pop(self.header_key, None)
+        else:
+            node.metadata[self.header_key] = header
+        # The embedded text is the header and the chunk; the LLM text is the chunk alone.
+        node.metadata_template = "{value}"
+        node.excluded_embed_metadata_keys = [k for k in node.metadata if k != self.header_key]
+        node.excluded_llm_metadata_keys = list(node.metadata)
+
+
+def _by_document(nodes: Sequence[BaseNode]) -> dict[str, list[BaseNode]]:
+    documents: dict[str, list[BaseNode]] = {}
+    for node in nodes:
+        documents.setdefault(node.ref_doc_id or node.node_id, []).append(node)
+    return documents
+
+
+def _section_of(node: BaseNode) -> Any:
+    index = node.metadata.get(SECTION_INDEX_KEY)
+    return index if index is not None else tuple(node.metadata.get(SECTION_PATH_KEY) or ())
+
+
+def _by_section(members: list[BaseNode]) -> dict[Any, list[BaseNode]]:
+    sections: dict[Any, list[BaseNode]] = {}
+    for node in members:
+        if node.metadata.get(SECTION_PATH_KEY):
+            sections.setdefault(_section_of(node), []).append(node)
+    return sections
+
+
+def _joined_text(members: list[BaseNode]) -> str:
+    """The text the chunks cover, overlaps removed where offsets say where each chunk lies."""
+    spans = [(getattr(n, "start_char_idx", None), n) for n in members]
+    if not all(start is not None for start, _ in spans):
+        return "\n".join(n.get_content(metadata_mode=MetadataMode.NONE) for n in members)
+    parts: list[str] = []
+    cursor = None
+    for start, node in sorted(spans, key=lambda s: s[0]):  # type: ignore[arg-type, return-value]
+        text = node.get_content(metadata_mode=MetadataMode.NONE)
+        assert start is not None
+        if cursor is None or start >= cursor:
+            if cursor is not None:
+                parts.append("\n" if start > cursor else "")
+            parts.append(text)
+        elif start + len(text) > cursor:
+            parts.append(text[cursor - start :])
+        cursor = max(cursor or 0, start + len(text))
+    return "".join(parts)
+
+
+def _file_title(members: list[BaseNode]) -> str:
+    metadata = members[0].metadata
+    for key in ("file_name", "file_path", "filename", "source"):
+        value = metadata.get(key)
+        if isinstance(value, str) and value.strip():
+            stem = PurePath(value).stem or value
+            return " ".join(stem.replace("_", " ").replace("-", " ").split())
+    return members[0].ref_doc_id or ""
+
+
+def _first_line(answer: str, limit: int) -> str:
+    for line in str(answer).splitlines():
+        text = " ".join(line.split()).strip(" \"'`*#")
+        if text.lower().startswith("title:"):
+            text = text[6:].strip(" \"'")
+        if text:
+            return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + "…"
+    return ""

@@ -1,0 +1,185 @@
+"""A small JSON-over-HTTP client for model servers: explicit timeouts, bounded concurrency, and
+errors that name the URL and say what to do.
+
+One ``httpx.AsyncClient`` and one semaphore per event loop (an async client belongs to the loop
+that created it; the package's sync bridge runs everything on one private loop, so in practice
+there is one of each). At most ``num_workers`` requests are in flight per loop: set it to the
+server's parallel slots (llama.cpp ``--parallel``) or a little more. Nothing is retried: a model
+server that failed once is reported, not hammered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+
+class ServerError(RuntimeError):
+    """A model server could not be used; the message names the URL and the fix."""
+
+    def __init__(self, message: str, url: str) -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class ServerUnavailable(ServerError):
+    """Nothing answered at the URL (connection refused, unknown host)."""
+
+
+class ServerTimeout(ServerError):
+    """The server did not answer within the timeout."""
+
+
+class ServerHTTPError(ServerError):
+    """The server answered with an HTTP error status."""
+
+    def __init__(self, message: str, url: str, status: int, body: str) -> None:
+        super().__init__(message, url)
+        self.status = status
+        self.body = body
+
+
+class MalformedResponse(ServerError):
+    """The server answered 200 with a body that is not what the API promises."""
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class JSONClient:
+    """POST/GET JSON to one server.
+
+    Args:
+        base_url: the server's root (``http://127.0.0.1:8080``); paths are appended to it.
+        timeout: seconds one request may take in all (connecting, waiting for the model,
+            reading); connecting alone gets at most 10 s.
+        num_workers: most requests in flight at once (per event loop).
+        api_key: sent as ``Authorization: Bearer <key>`` when given.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 120.0,
+        num_workers: int = 8,
+        api_key: str | None = None,
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.base_url = base_url.rstrip("/")
+        self.timeout = float(timeout)
+        self.num_workers = num_workers
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._clients: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, tuple[httpx.AsyncClient, asyncio.Semaphore]
+        ] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        #: Requests sent so far (for benchmarks and traces).
+        self.requests = 0
+
+    def url(self, path: str) -> str:
+        """The full URL of ``path``."""
+        return f"{self.base_url}/{path.lstrip('/')}"
+
+    def _client(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            pair = self._clients.get(loop)
+            if pair is None or pair[0].is_closed:
+                client = httpx.AsyncClient(
+                    timeout=httpx.Timeout(self.timeout, connect=min(10.0, self.timeout)),
+                    headers=self._headers,
+                    limits=httpx.Limits(max_connections=self.num_workers),
+                )
+                pair = self._clients[loop] = (client, asyncio.Semaphore(self.num_workers))
+            return pair
+
+    async def post(self, path: str, body: Mapping[str, Any]) -> Any:
+        """POST ``body`` as JSON and return the decoded JSON answer."""
+        return await self._request("POST", path, body)
+
+    async def get(self, path: str) -> Any:
+        """GET ``path`` and return the decoded JSON answer."""
+        return await self._request("GET", path, None)
+
+    async def _request(self, method: str, path: str, body: Mapping[str, Any] | None) -> Any:
+        url = self.url(path)
+        client, limit = self._client()
+        async with limit:
+            self.requests += 1
+            try:
+                response = await client.request(method, url, json=body)
+            except httpx.TimeoutException as exc:
+                raise ServerTimeout(
+                    f"{method} {url} timed out after {self.timeout:g} s ({type(exc).__name__}): "
+                    "raise timeout=, lower max_new_tokens, or give the server more parallel slots",
+                    url,
+                ) from exc
+            except httpx.ConnectError as exc:
+                raise ServerUnavailable(
+                    f"cannot connect to {url} ({exc}): is the model server running and is the "
+                    "URL right (e.g. http://127.0.0.1:8080, with /v1 for OpenAI-style servers)?",
+                    url,
+                ) from exc
+            except httpx.HTTPError as exc:
+                raise ServerUnavailable(
+                    f"{method} {url} failed: {type(exc).__name__}: {exc}", url
+                ) from exc
+        if response.status_code >= 400:
+            text = response.text
+            raise ServerHTTPError(
+                f"{method} {url} answered HTTP {response.status_code}: {_clip(text)}",
+                url,
+                response.status_code,
+                text,
+            )
+        try:
+            return response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise MalformedResponse(
+                f"{method} {url} answered HTTP {response.status_code} with a body that is not "
+                f"JSON: {_clip(response.text)!r}",
+                url,
+            ) from exc
+
+    def close(self) -> None:
+        """Close the connections of every loop (a later request opens new ones)."""
+        with self._lock:
+            pairs = list(self._clients.items())
+            self._clients.clear()
+        for loop, (client, _) in pairs:
+            if client.is_closed:
+                continue
+            if loop.is_closed():
+                continue  # its transports went with the loop
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                loop.create_task(client.aclose())
+            elif loop.is_running():
+                future = asyncio.run_coroutine_threadsafe(client.aclose(), loop)
+                try:
+                    future.result(timeout=5)
+                except Exception as exc:  # closing must not raise over a finished query
+                    logger.debug("closing the HTTP client failed: %r", exc)
+            else:
+                try:
+                    loop.run_until_complete(client.aclose())
+                except Exception as exc:
+                    logger.debug("closing the HTTP client failed: %r", exc)

@@ -1,0 +1,505 @@
+"""The reflection critic over a model server: Self-RAG's own tokens, scored from served log-probs.
+
+Same prompts, same greedy decoding, same formulas and the same scoring code (``score_generation``
+and ``retrieval_probability`` of :mod:`..self_rag.reflection`) as the in-process
+:class:`~..self_rag.reflection_critic.ReflectionCritic`; only the decoding happens elsewhere.
+The gate is one request; judging k paragraphs is k concurrent requests (plus one ``/tokenize``
+on llama.cpp), at most ``num_workers`` in flight.
+
+Servers return the top N log-probs per position only. Scores need, at a few positions, every
+token of one reflection group (IsREL: ``[Relevant]``/``[Irrelevant]`` at the first position;
+IsSUP and IsUSE: the grounding or utility group where one was generated; the gate: ``[Retrieval]``
+/``[No Retrieval]``). When one of them is missing, ``missing_logprobs`` decides:
+
+* ``"refetch"`` (llama.cpp only): one more request at that position returns the group's
+  probabilities normalised among themselves, which is all a score reads (a shared logit bias
+  lifts the group above the rest; if that fails, the whole vocabulary is fetched); the score is
+  exact. Named in ``details["refetched"]``.
+* ``"bound"``: the missing token's log-prob is taken as the N-th best one, an upper bound
+  (it can be no likelier than the least likely token shown); named in ``details["bounded"]``.
+* ``"auto"`` (default): ``"refetch"`` where the server can, ``"bound"`` elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+from llama_index.packs.self_rag_rse.common.bridge import run_sync
+from llama_index.packs.self_rag_rse.self_rag.base_critic import BaseCritic
+from llama_index.packs.self_rag_rse.self_rag.contract import ParagraphJudgement, RetrievalDecision
+from llama_index.packs.self_rag_rse.self_rag.reflection import (
+    GROUNDING_TOKENS,
+    NO_RETRIEVAL,
+    PARAGRAPH_CLOSE,
+    PARAGRAPH_OPEN,
+    REFLECTION_TOKENS,
+    RELEVANCE_TOKENS,
+    RETRIEVAL,
+    UTILITY_TOKENS,
+    logprobs_from_top_dicts,
+    retrieval_probability,
+    score_generation,
+)
+from llama_index.packs.self_rag_rse.served.apis import (
+    CompletionAPI,
+    Layout,
+    LlamaCppAPI,
+    OpenAIAPI,
+    ReflectionTokensUnidentifiable,
+    ServerInfo,
+)
+from llama_index.packs.self_rag_rse.served.http import (
+    JSONClient,
+    MalformedResponse,
+    ServerHTTPError,
+)
+from llama_index.packs.self_rag_rse.served.wire import Completion
+
+logger = logging.getLogger(__name__)
+
+Api = Literal["auto", "llama.cpp", "openai"]
+Missing = Literal["auto", "refetch", "bound"]
+
+#: The token groups whose members must all be known where a score reads them.
+_GROUPS: dict[str, tuple[str, ...]] = {
+    "retrieval": (RETRIEVAL, NO_RETRIEVAL),
+    "relevance": RELEVANCE_TOKENS,
+    "support": GROUNDING_TOKENS,
+    "utility": UTILITY_TOKENS,
+}
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``(root, openai_base)`` of a server URL given either way (``http://h:p`` or ``.../v1``)."""
+    url = url.rstrip("/")
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ValueError(
+            f"base_url must be an http(s) URL such as http://127.0.0.1:8080, got {url!r}"
+        )
+    if parsed.path.endswith("/v1"):
+        return url[: -len("/v1")], url
+    return url, f"{url}/v1"
+
+
+class ServedReflectionCritic(BaseCritic):
+    """:class:`~..self_rag.contract.Critic` for a Self-RAG model behind a completion server.
+
+    Args:
+        base_url: the server, as ``http://host:port`` or its OpenAI base ``http://host:port/v1``.
+        model: the ``model`` field of OpenAI-style requests (llama.cpp ignores it).
+        api: ``"llama.cpp"`` (native ``/completion``: token ids, exact follow-ups), ``"openai"``
+            (``/v1/completions``: tokens known by their decoded text) or ``"auto"`` (llama.cpp
+            when ``/props`` answers like llama.cpp, else openai).
+        api_key: sent as a bearer token when given.
+        max_new_tokens: tokens generated per answer (50, like the in-process critic).
+        top_logprobs: candidates returned per position (llama.cpp ``n_probs``, OpenAI
+            ``logprobs``). vLLM caps it with ``--max-logprobs`` (20 by default), OpenAI at 5.
+            Larger values make follow-ups rarer and responses bigger.
+        missing_logprobs: what to do when a reflection token a score needs is outside the top
+            ``top_logprobs``: ``"refetch"``, ``"bound"`` or ``"auto"`` (see the module docs).
+        num_workers: requests in flight at once; match the server's parallel slots.
+        timeout: seconds one request may take.
+        n_ctx: positions per server slot, for shortening long paragraphs; llama.cpp reports it,
+            other servers reject an over-long prompt instead (the paragraph then has ``error``).
+        request_options: extra fields for every completion request (e.g. vLLM's
+            ``{"return_tokens_as_token_ids": True}``).
+
+    Each judgement's ``details`` names the ``api`` and, when it happened, the groups read with
+    a follow-up (``refetched``) or a bound (``bounded``), the extra requests
+    (``followup_requests``) and positions the server left unreported (``unreported_positions``).
+    The engine closes a critic it built from ``llm=``; one passed as ``critic=`` is yours to
+    :meth:`close` (it frees HTTP connections; the server keeps running).
+
+    Raises (on first use, or :meth:`connect`):
+        MissingReflectionTokens: the served model lacks Self-RAG's tokens.
+        ReflectionTokensUnidentifiable: it has them but the API cannot tell them apart.
+        ServerError: the server is down, too slow, or answers errors or unexpected bodies; the
+            message names the URL.
+
+    Example::
+
+        critic = ServedReflectionCritic("http://127.0.0.1:8080")
+        engine = SelfRAGQueryEngine(retriever=retriever, critic=critic)
+    """
+
+    name = "reflection"
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | None = None,
+        api: Api = "auto",
+        api_key: str | None = None,
+        max_new_tokens: int = 50,
+        top_logprobs: int = 20,
+        missing_logprobs: Missing = "auto",
+        num_workers: int = 8,
+        timeout: float = 120.0,
+        n_ctx: int | None = None,
+        request_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if api not in ("auto", "llama.cpp", "openai"):
+            raise ValueError(f"api must be 'auto', 'llama.cpp' or 'openai', got {api!r}")
+        if missing_logprobs not in ("auto", "refetch", "bound"):
+            raise ValueError(
+                f"missing_logprobs must be 'auto', 'refetch' or 'bound', got {missing_logprobs!r}"
+            )
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if top_logprobs < 1:
+            raise ValueError(f"top_logprobs must be >= 1, got {top_logprobs}")
+        self.root, self.openai_base = split_url(base_url)
+        self.model = model
+        self.api = api
+        self.max_new_tokens = max_new_tokens
+        self.top_logprobs = top_logprobs
+        self.missing_logprobs = missing_logprobs
+        self.n_ctx = n_ctx
+        self.request_options = dict(request_options or {})
+        self._root_client = JSONClient(
+            self.root, timeout=timeout, num_workers=num_workers, api_key=api_key
+        )
+        self._openai_client = JSONClient(
+            self.openai_base, timeout=timeout, num_workers=num_workers, api_key=api_key
+        )
+        self._warned_bound = False
+        self._backend: CompletionAPI | None = None
+        self._info: ServerInfo | None = None
+
+    @classmethod
+    def from_llm(cls, llm: Any, **kwargs: Any) -> ServedReflectionCritic:
+        """The critic for the server behind an OpenAI-compatible LlamaIndex LLM.
+
+        Reads ``api_base``, ``model``, ``api_key`` and ``timeout`` from ``llm`` (``OpenAILike``,
+        ``OpenAI(api_base=...)``); ``kwargs`` override them and set the other options.
+        """
+        from llama_index.packs.self_rag_rse.served.endpoint import endpoint_of
+
+        endpoint = endpoint_of(llm)
+        if endpoint is None:
+            raise TypeError(
+                f"{type(llm).__name__} has no api_base: pass an OpenAI-compatible LLM such as "
+                "OpenAILike(api_base='http://127.0.0.1:8080/v1', model=..., is_chat_model=False)"
+            )
+        options: dict[str, Any] = {
+            "model": endpoint.model,
+            "api_key": endpoint.api_key,
+            **({"timeout": endpoint.timeout} if endpoint.timeout else {}),
+        }
+        options.update(kwargs)
+        return cls(endpoint.base_url, **options)
+
+    # --- connecting ----------------------------------------------------------------------------
+
+    @property
+    def requests(self) -> int:
+        """HTTP requests sent so far (all endpoints)."""
+        return self._root_client.requests + self._openai_client.requests
+
+    @property
+    def info(self) -> ServerInfo | None:
+        """What :meth:`connect` learned (``None`` before the first request)."""
+        return self._info
+
+    async def aconnect(self) -> ServerInfo:
+        """Find the API, the reflection tokens' keys and the slot size (once; cached)."""
+        if self._info is not None:
+            return self._info
+        backend = await self._pick_api()
+        info = await backend.connect()
+        if self.n_ctx is not None:
+            info.n_ctx = self.n_ctx
+        missing = [
+            t for t in (*REFLECTION_TOKENS, PARAGRAPH_OPEN, PARAGRAPH_CLOSE) if t not in info.keys
+        ]
+        if missing:
+            from llama_index.packs.self_rag_rse.self_rag.reflection_critic import (
+                MissingReflectionTokens,
+            )
+
+            raise MissingReflectionTokens(missing, sorted(info.keys))
+        if self.missing_logprobs == "refetch" and not backend.can_refetch:
+            raise ValueError(
+                f"missing_logprobs='refetch' needs llama.cpp's native API, which "
+                f"{self.root} does not offer: use missing_logprobs='bound'"
+            )
+        if not info.verified:
+            logger.warning(
+                "%s cannot confirm the reflection tokens (no echo): scores assume they decode to "
+                "their own text; a CONTROL-typed GGUF needs llama.cpp's native API",
+                self.openai_base,
+            )
+        self._backend, self._info = backend, info
+        logger.info("served reflection critic: %s API at %s", info.api, backend.client.base_url)
+        return info
+
+    def connect(self) -> ServerInfo:
+        """Blocking :meth:`aconnect`."""
+        return run_sync(self.aconnect())
+
+    async def _pick_api(self) -> CompletionAPI:
+        native = LlamaCppAPI(self._root_client, self.request_options)
+        openai = OpenAIAPI(self._openai_client, self.model, self.request_options)
+        if self.api == "llama.cpp":
+            return native
+        if self.api == "openai":
+            return openai
+        try:
+            props = await self._root_client.get("/props")
+        except (ServerHTTPError, MalformedResponse):  # not llama.cpp (404, an HTML page...)
+            return openai
+        if isinstance(props, Mapping) and "default_generation_settings" in props:
+            return native
+        return openai
+
+    async def _ready(self) -> tuple[CompletionAPI, ServerInfo]:
+        info = await self.aconnect()
+        assert self._backend is not None
+        return self._backend, info
+
+    # --- the Critic protocol -------------------------------------------------------------------
+
+    async def adecide_retrieval(
+        self, query: str, threshold: float | None, answer_if_skipped: bool = True
+    ) -> RetrievalDecision:
+        """Self-RAG's adaptive-retrieval gate, as the in-process critic decides it.
+
+        With a ``threshold``: one request for the first position's distribution, retrieve when
+        p([Retrieval]) / (p([Retrieval]) + p([No Retrieval])) exceeds it. With ``None``: the
+        greedy continuation decides (retrieve when it contains ``[Retrieval]``). When retrieval
+        is skipped and ``answer_if_skipped``, a second request writes the answer after
+        ``[No Retrieval]``.
+        """
+        backend, info = await self._ready()
+        prompt = await self._prompt(backend, info, query, Layout())
+        new_tokens = 1 if threshold is not None else self.max_new_tokens
+        completion = await backend.complete(prompt, new_tokens, self.top_logprobs)
+        backend.check(info, completion)
+        keys = completion.keys
+        retrieval_key = info.keys[RETRIEVAL]
+        if threshold is None and retrieval_key in keys:
+            del completion.positions[keys.index(retrieval_key) + 1 :]
+        if not completion.positions:
+            probability, retrieve = 0.0, False
+        else:
+            await self._complete_groups(backend, info, prompt, completion, [(0, "retrieval")])
+            probability = retrieval_probability(self._matrix(info, completion))
+            retrieve = probability > threshold if threshold is not None else retrieval_key in keys
+        answer = None
+        if not retrieve and answer_if_skipped:
+            answer = await self.agenerate(query)
+        logger.debug(
+            "retrieval gate: p=%.4f threshold=%s retrieve=%s", probability, threshold, retrieve
+        )
+        return RetrievalDecision(retrieve=retrieve, probability=probability, answer=answer)
+
+    async def ajudge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
+        """Answer from every paragraph (concurrent requests) and score each answer.
+
+        Prompts are ``### Instruction:\\n{query}\\n\\n### Response:\\n[Retrieval]<paragraph>``
+        + paragraph + ``</paragraph>``, as in process. A paragraph whose request failed comes
+        back with ``error`` set (naming the URL) and zero scores; the others are kept.
+        """
+        if not paragraphs:
+            return []
+        backend, info = await self._ready()
+        layout = Layout(
+            after_prompt=(RETRIEVAL, PARAGRAPH_OPEN),
+            paragraphs=list(paragraphs),
+            after_paragraph=(PARAGRAPH_CLOSE,),
+            reserve=self.max_new_tokens,
+        )
+        prompts = await self._prompts(backend, info, query, layout)
+        results = await asyncio.gather(
+            *(self._judge_one(backend, info, p) for p in prompts), return_exceptions=True
+        )
+        judgements = []
+        for result in results:
+            if isinstance(result, BaseException):
+                if not isinstance(result, Exception) or isinstance(
+                    result, ReflectionTokensUnidentifiable
+                ):
+                    raise result  # not this paragraph's fault: no paragraph can be scored
+                logger.warning("served critic: a paragraph failed: %s", result)
+                judgements.append(
+                    ParagraphJudgement(
+                        answer="",
+                        relevance=0.0,
+                        support=0.0,
+                        utility=0.0,
+                        error=f"{type(result).__name__}: {result}",
+                    )
+                )
+            else:
+                judgements.append(result)
+        return judgements
+
+    async def agenerate(self, query: str) -> str:
+        """Answer with no evidence: greedy continuation after ``[No Retrieval]``."""
+        backend, info = await self._ready()
+        prompt = await self._prompt(backend, info, query, Layout(after_prompt=(NO_RETRIEVAL,)))
+        completion = await backend.complete(prompt, self.max_new_tokens, 1)
+        return await self._answer(backend, info, completion)
+
+    def close(self) -> None:
+        """Close the HTTP connections (the server, and the model on it, keep running)."""
+        self._root_client.close()
+        self._openai_client.close()
+
+    def describe(self) -> dict[str, Any]:
+        """Where the critic sends its requests, and what it found there."""
+        info = self._info
+        return {
+            "critic": self.name,
+            "url": self.root,
+            "api": info.api if info else self.api,
+            "model": (info.model if info else None) or self.model,
+            "requests": self.requests,
+        }
+
+    # --- one paragraph -------------------------------------------------------------------------
+
+    async def _judge_one(
+        self, backend: CompletionAPI, info: ServerInfo, prompt: Any
+    ) -> ParagraphJudgement:
+        completion = await backend.complete(prompt, self.max_new_tokens, self.top_logprobs)
+        backend.check(info, completion)
+        keys = completion.keys
+        needs: list[tuple[int, str]] = [(0, "relevance")] if keys else []
+        for group in ("support", "utility"):
+            members = {info.keys[t] for t in _GROUPS[group]}
+            position = next((i for i, k in enumerate(keys) if k in members), None)
+            if position is not None:
+                needs.append((position, group))
+        details = await self._complete_groups(backend, info, prompt, completion, needs)
+        columns = [info.keys[t] for t in REFLECTION_TOKENS]
+        scores = score_generation(
+            self._matrix(info, completion),
+            keys,
+            [p.logprob if p.logprob is not None else 0.0 for p in completion.positions],
+            columns,
+        )
+        answer = await self._answer(backend, info, completion)
+        return ParagraphJudgement(
+            answer=answer,
+            relevance=scores.relevance,
+            support=scores.support,
+            utility=scores.utility,
+            seq_score=scores.seq_score,
+            details=details,
+        )
+
+    async def _complete_groups(
+        self,
+        backend: CompletionAPI,
+        info: ServerInfo,
+        prompt: Any,
+        completion: Completion,
+        needs: Sequence[tuple[int, str]],
+    ) -> dict[str, Any]:
+        """Make sure every group a score reads is fully known; fill unreported positions."""
+        refetch = self.missing_logprobs == "refetch" or (
+            self.missing_logprobs == "auto" and backend.can_refetch
+        )
+        keys = completion.keys
+        details: dict[str, Any] = {"api": info.api}
+        bounded: list[str] = []
+        # Positions the server left out (a token ending inside a UTF-8 character) first: their
+        # distribution (top N), their own log-prob for the sequence score, their bytes.
+        gaps = [i for i, p in enumerate(completion.positions) if not p.reported]
+        fetched = await asyncio.gather(
+            *(backend.refetch(info, prompt, keys[:i], self.top_logprobs) for i in gaps)
+        )
+        for i, got in zip(gaps, fetched, strict=True):
+            slot = completion.positions[i]
+            slot.top, slot.pieces = got.top, got.pieces
+            slot.logprob = (got.top or {}).get(slot.key, slot.logprob)
+        requests = len(gaps)
+        groups: list[tuple[int, str, list[str]]] = []
+        for position, group in needs:
+            slot = completion.positions[position]
+            members = [info.keys[t] for t in _GROUPS[group]]
+            if slot.top is not None and all(m in slot.top for m in members):
+                continue
+            if refetch:
+                groups.append((position, group, members))
+            elif slot.top:
+                floor = min(slot.top.values())
+                for member in members:
+                    slot.top.setdefault(member, floor)
+                bounded.append(group)
+        if groups:
+            exact = await asyncio.gather(
+                *(backend.refetch_group(info, prompt, keys[:i], m) for i, _, m in groups)
+            )
+            requests += len(groups)
+            for (i, _, members), values in zip(groups, exact, strict=True):
+                if values is None:  # fall back to the whole vocabulary at that position
+                    whole = await backend.refetch(info, prompt, keys[:i], None)
+                    requests += 1
+                    values = {m: (whole.top or {}).get(m, float("-inf")) for m in members}
+                top = completion.positions[i].top
+                if top is None:
+                    completion.positions[i].top = top = {}
+                # All of a group's values from one source: ratios are what the scores read.
+                top.update(values)
+            details["refetched"] = [group for _, group, _ in groups]
+        if requests:
+            details["followup_requests"] = requests
+        if gaps:
+            details["unreported_positions"] = len(gaps)
+        if bounded:
+            details["bounded"] = bounded
+        if bounded and not self._warned_bound:
+            self._warned_bound = True
+            logger.warning(
+                "served critic: %s read with a bound (a reflection token outside the top %d "
+                "log-probs; flagged in each judgement's details['bounded'], logged once): raise "
+                "top_logprobs (vLLM: --max-logprobs) for exact scores",
+                ", ".join(bounded),
+                self.top_logprobs,
+            )
+        return details
+
+    def _matrix(self, info: ServerInfo, completion: Completion) -> Any:
+        columns = [info.keys[t] for t in REFLECTION_TOKENS]
+        return logprobs_from_top_dicts([p.top for p in completion.positions], columns)
+
+    async def _answer(
+        self, backend: CompletionAPI, info: ServerInfo, completion: Completion
+    ) -> str:
+        """The answer without reflection tokens, end-of-generation or quoted evidence."""
+        special = set(info.keys.values())
+        positions = completion.positions
+        last = len(positions) - 1 if backend.ends_with_eog(completion) else len(positions)
+        keep: list[int] = []
+        in_paragraph = False
+        for i, position in enumerate(positions[:last]):
+            if position.key == info.keys[PARAGRAPH_OPEN]:
+                in_paragraph = True  # the model quoting evidence is not part of its answer
+            elif position.key == info.keys[PARAGRAPH_CLOSE]:
+                in_paragraph = False
+            elif not in_paragraph and position.key not in special:
+                keep.append(i)
+        if not keep:
+            return ""
+        return await backend.answer_text(info, completion, keep)
+
+    async def _prompt(
+        self, backend: CompletionAPI, info: ServerInfo, query: str, layout: Layout
+    ) -> Any:
+        (prompt,) = await self._prompts(backend, info, query, layout)
+        return prompt
+
+    async def _prompts(
+        self, backend: CompletionAPI, info: ServerInfo, query: str, layout: Layout
+    ) -> list[Any]:
+        from llama_index.packs.self_rag_rse.self_rag.reflection_critic import PROMPT_TEMPLATE
+
+        return await backend.prompts(info, PROMPT_TEMPLATE.format(query=query), layout)

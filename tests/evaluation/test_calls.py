@@ -1,0 +1,82 @@
+"""Counting the answering model's calls: LLM requests once each, in-process critic operations."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.llms import ChatMessage
+from retrievers import FixedRetriever
+
+from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
+from llama_index.packs.self_rag_rse.evaluation.calls import ModelCallCounter
+from llama_index.packs.self_rag_rse.self_rag.base_critic import BaseCritic
+from llama_index.packs.self_rag_rse.self_rag.contract import ParagraphJudgement, RetrievalDecision
+
+dispatcher = get_dispatcher(__name__)
+
+
+class InProcessCritic(BaseCritic):
+    """A critic that, like the llama.cpp one, answers without any LLM request."""
+
+    name = "in-process"
+
+    @dispatcher.span
+    async def adecide_retrieval(
+        self, query: str, threshold: float | None, answer_if_skipped: bool = True
+    ) -> RetrievalDecision:
+        return RetrievalDecision(retrieve=True, probability=0.9)
+
+    @dispatcher.span
+    async def ajudge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
+        return [ParagraphJudgement("an answer", 0.2, 0.9, 0.5) for _ in paragraphs]
+
+    @dispatcher.span
+    async def agenerate(self, query: str) -> str:
+        return "generated"
+
+
+def test_nested_llm_requests_count_once(scripted_llm):
+    llm = scripted_llm(lambda prompt: "hi")
+    with ModelCallCounter() as counter:
+        llm.complete("a")
+        # CustomLLM.chat calls its own complete: two start events, one request.
+        llm.chat([ChatMessage(role="user", content="b")])
+    assert counter.counts() == {"llm_requests": 2, "critic_calls": 0, "model_calls": 2}
+    counter.reset()
+    assert counter.counts()["model_calls"] == 0
+    llm.complete("not counted: the counter is detached")
+    assert counter.counts()["model_calls"] == 0
+
+
+def test_in_process_critic_operations_count(scripted_llm):
+    engine = SelfRAGQueryEngine(critic=InProcessCritic(), retriever=FixedRetriever())
+    with ModelCallCounter() as counter:
+        engine.query("What does while do?")
+    # One retrieval decision and one judgement of all three paragraphs.
+    assert counter.counts() == {"llm_requests": 0, "critic_calls": 2, "model_calls": 2}
+    corrective = SelfRAGQueryEngine(
+        critic=InProcessCritic(), retriever=FixedRetriever(), corrective=True
+    )
+    with ModelCallCounter() as counter:
+        meta = corrective.query("What does while do?").metadata["self_rag"]
+    steps = [entry["step"] for entry in meta["trace"]]
+    judged = [e for e in meta["trace"] if e["step"] == "retrieve" and e["nodes"]]
+    # Relevance 0.2 is below the bar: decide, judge (later rounds bring no new paragraph),
+    # query2doc, rewrite, and the model-alone fallback generation.
+    assert steps.count("query2doc") == steps.count("rewrite") == steps.count("fallback") == 1
+    assert len(judged) == 1
+    assert counter.counts()["critic_calls"] == 5
+
+
+def test_a_critic_on_an_llm_is_counted_by_its_requests(scripted_llm):
+    from llama_index.packs.self_rag_rse import PromptedCritic
+
+    llm = scripted_llm(lambda prompt: "Yes")
+    critic = PromptedCritic(llm, num_workers=2)
+    engine = SelfRAGQueryEngine(critic=critic, retriever=FixedRetriever())
+    with ModelCallCounter() as counter:
+        engine.query("What does while do?")
+    counts = counter.counts()
+    assert counts["critic_calls"] == 0  # every critic operation went through the LLM
+    assert counts["llm_requests"] == len(llm.prompts) > 0

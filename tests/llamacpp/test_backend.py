@@ -1,0 +1,121 @@
+"""LlamaCppBackend's paragraph judgement on a tiny F32 model: reading each paragraph once for the
+four questions gives the judgements of separate decodes, to 1e-5."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llama_index.packs.self_rag_rse.llamacpp.backend import LlamaCppBackend
+from llama_index.packs.self_rag_rse.self_rag.backend import (
+    CriticBackend,
+    Generated,
+    JudgementPrompts,
+    ParagraphResult,
+    Scored,
+)
+from llama_index.packs.self_rag_rse.self_rag.prompts import DEFAULT_PROMPTS
+
+QUERY = "What is the capital of France?"
+PARAGRAPHS = [
+    "Paris is the capital and largest city of France.",
+    "Hamlet is a tragedy written by William Shakespeare.",
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris.",
+    "Berlin is the capital of Germany.",
+    "Mount Everest is the highest mountain above sea level.",
+]
+PROMPTS = JudgementPrompts(
+    answer=DEFAULT_PROMPTS["answer_prompt"],
+    relevance=DEFAULT_PROMPTS["relevance_prompt"],
+    support=DEFAULT_PROMPTS["support_prompt"],
+    utility=DEFAULT_PROMPTS["utility_prompt"],
+)
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def digits_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The tiny model with pieces for the utility digits ("▁1".."▁5"): the critic's label words
+    must start with tokens of their own."""
+    import llama_cpp
+    import tiny_gguf
+
+    original = tiny_gguf._tiny_vocab
+
+    def with_digits(typing: str) -> tuple[list[str], list[float], list[int]]:
+        tokens, scores, types = original(typing)
+        return tokens + [f"▁{d}" for d in "12345"], scores + [0.0] * 5, types + [1] * 5
+
+    path = tmp_path_factory.mktemp("digits") / "digits.gguf"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tiny_gguf, "_tiny_vocab", with_digits)
+        tiny_gguf.write_tiny_gguf(path, typing="none")
+    llm = llama_cpp.Llama(
+        str(Path(path)), n_ctx=2048, n_threads=1, n_threads_batch=1, type_k=0, type_v=0,
+        verbose=False,
+    )  # fmt: skip
+    yield llm
+    llm.close()
+
+
+def judge(backend: CriticBackend, contract_default: bool = False) -> list[ParagraphResult]:
+    if contract_default:  # the two rounds through generate_and_score and score
+        return asyncio.run(CriticBackend.judge_paragraphs(backend, QUERY, PARAGRAPHS, PROMPTS))
+    return asyncio.run(backend.judge_paragraphs(QUERY, PARAGRAPHS, PROMPTS))
+
+
+def assert_same(a: list[ParagraphResult], b: list[ParagraphResult]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert isinstance(x.answer, Generated) and isinstance(y.answer, Generated)
+        assert x.answer.text == y.answer.text
+        assert x.answer.generated_tokens == y.answer.generated_tokens
+        assert x.answer.seq_score == pytest.approx(y.answer.seq_score, abs=TOL)
+        assert set(x.scores) == set(y.scores) == {"relevance", "support", "utility"}
+        for name, score in x.scores.items():
+            other = y.scores[name]
+            assert isinstance(score, Scored) and isinstance(other, Scored)
+            assert score.method == other.method == "logprobs"
+            assert score.score == pytest.approx(other.score, abs=TOL)
+
+
+@pytest.mark.parametrize("n_seq_max", [8, 3])
+def test_one_reading_per_paragraph_gives_the_judgements_of_separate_decodes(
+    digits_llm: Any, n_seq_max: int
+) -> None:
+    shared = LlamaCppBackend(digits_llm, max_new_tokens=12, n_seq_max=n_seq_max)
+    whole = LlamaCppBackend(digits_llm, max_new_tokens=12, n_seq_max=8, share_prefixes=False)
+    try:
+        shared.decoder.stats.reset()
+        got = judge(shared)
+        evaluated = shared.decoder.stats.prompt_tokens
+        whole.decoder.stats.reset()
+        expected = judge(whole, contract_default=True)
+        separate = whole.decoder.stats.prompt_tokens
+    finally:
+        shared.close()
+        whole.close()
+    assert_same(got, expected)
+    assert all(r.answer.text for r in got if isinstance(r.answer, Generated))
+    # each paragraph once instead of three times, the question and instructions shared
+    assert evaluated < separate / 2
+
+
+def test_the_contract_default_gives_the_same_judgements(digits_llm: Any) -> None:
+    backend = LlamaCppBackend(digits_llm, max_new_tokens=12)
+    try:
+        assert_same(judge(backend), judge(backend, contract_default=True))
+        other = LlamaCppBackend(digits_llm, max_new_tokens=12)
+        try:  # answers from another backend: the contract's two rounds
+            mixed = asyncio.run(
+                backend.judge_paragraphs(QUERY, PARAGRAPHS, PROMPTS, generator=other)
+            )
+        finally:
+            other.close()
+        assert_same(mixed, judge(backend))
+    finally:
+        backend.close()

@@ -1,0 +1,108 @@
+"""A tiny HTTP server on loopback for tests: canned answers, or a proxy with faults.
+
+``StubServer(handler)`` runs ``handler(method, path, body) -> Reply`` for every request in a
+thread of its own (``ThreadingHTTPServer``), records how many requests it saw and how many were
+in flight at once, and stops in ``close()`` (or at the end of a ``with`` block).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+@dataclass
+class Reply:
+    """What the stub answers: status, raw body, and a delay before answering."""
+
+    status: int = 200
+    body: bytes = b"{}"
+    delay: float = 0.0
+
+    @classmethod
+    def json(cls, value: Any, status: int = 200, delay: float = 0.0) -> Reply:
+        return cls(status, json.dumps(value).encode(), delay)
+
+
+Handler = Callable[[str, str, Any], Reply]
+
+
+class StubServer:
+    """An HTTP server on 127.0.0.1 with a free port; ``url`` is its root."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.requests: list[tuple[str, str]] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._lock = threading.Lock()
+        stub = self
+
+        class _Handler(BaseHTTPRequestHandler):
+            def _serve(self, method: str) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                body = json.loads(raw) if raw else None
+                with stub._lock:
+                    stub.requests.append((method, self.path))
+                    stub.in_flight += 1
+                    stub.max_in_flight = max(stub.max_in_flight, stub.in_flight)
+                try:
+                    reply = stub.handler(method, self.path, body)
+                    if reply.delay:
+                        time.sleep(reply.delay)
+                finally:
+                    # Done before answering: once answered, the client may send its next
+                    # request, which must not count as overlapping with this one.
+                    with stub._lock:
+                        stub.in_flight -= 1
+                try:
+                    self.send_response(reply.status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(reply.body)))
+                    self.end_headers()
+                    self.wfile.write(reply.body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (a timeout test)
+
+            def do_GET(self) -> None:
+                self._serve("GET")
+
+            def do_POST(self) -> None:
+                self._serve("POST")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def count(self, path: str) -> int:
+        return sum(1 for _, p in self.requests if p == path)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> StubServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def forward(upstream: str, method: str, path: str, body: Any, timeout: float = 30.0) -> Reply:
+    """Pass a request on to ``upstream`` and return its answer."""
+    import httpx
+
+    response = httpx.request(method, upstream + path, json=body, timeout=timeout)
+    return Reply(response.status_code, response.content)

@@ -1,0 +1,130 @@
+"""The engine on a served model, chosen from an OpenAI-compatible LLM (factory selection).
+
+``SelfRAGQueryEngine(llm=OpenAILike(api_base=...), critic="reflection" | "auto")`` must give the
+same response and ``metadata["self_rag"]`` as the engine on the same model in process; the
+prompted critic over the same kind of LLM reads label log-probs when the server returns them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from llama_index.llms.openai_like import OpenAILike
+from retrievers import FixedRetriever
+from served.stub import Reply, StubServer, forward
+
+from llama_index.packs.self_rag_rse import PromptedCritic, SelfRAGQueryEngine
+from llama_index.packs.self_rag_rse.served import ServedReflectionCritic
+
+QUESTION = "What does the while statement do?"
+
+
+def served_llm(url: str, **kwargs: Any) -> OpenAILike:
+    options: dict[str, Any] = {
+        "api_base": f"{url}/v1",
+        "model": "tiny-self-rag",
+        "api_key": "none",
+        "is_chat_model": False,
+        "timeout": 30,
+        "max_retries": 0,
+    }
+    options.update(kwargs)
+    return OpenAILike(**options)
+
+
+@pytest.mark.parametrize("typing", ["user_defined", "control"])
+def test_served_engine_equals_the_in_process_engine(
+    typing: str, tiny_llm: Any, tiny_llm_control: Any, llama_server: Any
+) -> None:
+    llm = tiny_llm if typing == "user_defined" else tiny_llm_control
+    options: dict[str, Any] = {"max_new_tokens": 30, "threshold": 0.0, "use_seqscore": True}
+    local = SelfRAGQueryEngine(llm=llm, retriever=FixedRetriever(), **options)
+    with SelfRAGQueryEngine(
+        llm=served_llm(llama_server(typing).url),
+        retriever=FixedRetriever(),
+        critic="reflection",
+        **options,
+    ) as served:
+        assert isinstance(served.critic, ServedReflectionCritic)
+        got = served.query(QUESTION)
+        expected = local.query(QUESTION)
+    local.close()
+    a, b = got.metadata["self_rag"], expected.metadata["self_rag"]
+    assert got.response == expected.response
+    assert a["critic"] == b["critic"] == "reflection"
+    assert (a["retrieve"], a["best"]) == (b["retrieve"], b["best"])
+    assert a["retrieve_prob"] == pytest.approx(b["retrieve_prob"], abs=1e-3)
+    for x, y in zip(a["paragraphs"], b["paragraphs"], strict=True):
+        assert x["node_id"] == y["node_id"] and x["answer"] == y["answer"]
+        for key in ("relevance", "support", "utility", "seq_score", "score"):
+            assert x[key] == pytest.approx(y[key], abs=1e-3), key
+    assert [n.node.node_id for n in got.source_nodes] == [
+        n.node.node_id for n in expected.source_nodes
+    ]
+
+
+def test_auto_picks_the_critic_from_what_the_server_serves(llama_server: Any) -> None:
+    reflection = SelfRAGQueryEngine(
+        llm=served_llm(llama_server("control").url), retriever=FixedRetriever(), critic="auto"
+    )
+    plain = SelfRAGQueryEngine(
+        llm=served_llm(llama_server("none").url), retriever=FixedRetriever(), critic="auto"
+    )
+    chat = SelfRAGQueryEngine(
+        llm=served_llm(llama_server("control").url, is_chat_model=True),
+        retriever=FixedRetriever(),
+        critic="auto",
+    )
+    try:
+        assert isinstance(reflection.critic, ServedReflectionCritic)
+        assert isinstance(plain.critic, PromptedCritic)
+        assert isinstance(chat.critic, PromptedCritic)  # chat endpoints carry no reflection
+    finally:
+        for engine in (reflection, plain, chat):
+            engine.close()
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat_logprobs", "completion_parsed"])
+def test_prompted_critic_over_a_served_llm(chat: bool, llama_server: Any) -> None:
+    upstream = llama_server("none").url
+    bodies: list[dict[str, Any]] = []
+
+    def record(method: str, path: str, body: Any) -> Reply:
+        if isinstance(body, dict):
+            bodies.append(body)
+        return forward(upstream, method, path, body)
+
+    with StubServer(record) as proxy:
+        llm = served_llm(proxy.url, is_chat_model=chat, max_tokens=8, temperature=0.0)
+        if chat:
+            llm = served_llm(
+                proxy.url,
+                is_chat_model=True,
+                max_tokens=8,
+                temperature=0.0,
+                logprobs=True,
+                top_logprobs=20,
+            )
+        critic = PromptedCritic(llm, num_workers=2)
+        try:
+            judgements = critic.judge(QUESTION, [text for _, text, _ in _paragraphs()])
+        finally:
+            critic.close()
+        # Answers and relevance of 3 paragraphs, then support and utility: 12 calls, 2 at once.
+        assert len(proxy.requests) == 12 and proxy.max_in_flight <= 2
+    assert all(j.error is None for j in judgements)
+    methods = {j.details[name] for j in judgements for name in ("relevance", "support", "utility")}
+    if chat:
+        assert all(b.get("logprobs") is True and b.get("top_logprobs") == 20 for b in bodies)
+        assert "logprobs" in methods  # label probabilities read from the returned log-probs
+    else:
+        # llama.cpp's /v1/completions log-probs are not in OpenAI's legacy shape, so LlamaIndex
+        # returns none: the replies are parsed tolerantly instead.
+        assert methods <= {"parsed", "fallback"}
+
+
+def _paragraphs() -> list[tuple[str, str, str | None]]:
+    from retrievers import PARAGRAPHS
+
+    return PARAGRAPHS

@@ -1,0 +1,148 @@
+"""Failures of a served model: each gives an error naming the URL, or fails one paragraph only.
+
+A fault-injecting proxy (a stub on loopback) stands between the critic and a real llama-server:
+it passes requests on, except the /completion requests the test picks, which get HTTP 500, a
+body that is not JSON, a JSON body without the promised fields, or an answer slower than the
+critic's timeout. Every test bounds its requests in number and time.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import pytest
+from served.stub import Reply, StubServer, forward
+
+from llama_index.packs.self_rag_rse.served import (
+    MalformedResponse,
+    ServedReflectionCritic,
+    ServerHTTPError,
+    ServerTimeout,
+    ServerUnavailable,
+)
+
+PARAGRAPHS = [
+    "Paris is the capital and largest city of France.",
+    "Hamlet is a tragedy written by William Shakespeare.",
+    "Berlin is the capital of Germany.",
+    "Mount Everest is the highest mountain above sea level.",
+    "Rayleigh scattering makes the sky look blue.",
+]
+QUERY = "What is the capital of France?"
+
+
+def unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def faulty_proxy(upstream: str, faults: dict[int, Reply]) -> StubServer:
+    """Forward everything to ``upstream``; the n-th /completion request gets ``faults[n]``."""
+    seen = {"completion": 0}
+
+    def handle(method: str, path: str, body: Any) -> Reply:
+        if path == "/completion":
+            n = seen["completion"]
+            seen["completion"] += 1
+            if n in faults:
+                return faults[n]
+        return forward(upstream, method, path, body)
+
+    return StubServer(handle)
+
+
+def test_a_server_that_is_down_is_named() -> None:
+    url = f"http://127.0.0.1:{unused_port()}"
+    critic = ServedReflectionCritic(url, timeout=5)
+    started = time.monotonic()
+    try:
+        with pytest.raises(ServerUnavailable, match=rf"cannot connect to {url}/props"):
+            critic.judge(QUERY, PARAGRAPHS)
+        with pytest.raises(ServerUnavailable, match=url):
+            critic.decide_retrieval(QUERY, 0.5)
+    finally:
+        critic.close()
+    assert time.monotonic() - started < 10
+
+
+def test_an_engine_on_a_server_that_is_down_fails_at_construction() -> None:
+    from llama_index.llms.openai_like import OpenAILike
+    from retrievers import FixedRetriever
+
+    from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
+
+    url = f"http://127.0.0.1:{unused_port()}/v1"
+    llm = OpenAILike(api_base=url, model="m", is_chat_model=False, api_key="none", timeout=5)
+    with pytest.raises(ServerUnavailable, match=url.removesuffix("/v1")):
+        SelfRAGQueryEngine(llm=llm, retriever=FixedRetriever(), critic="reflection")
+
+
+def test_a_slow_setup_times_out_with_the_url() -> None:
+    with StubServer(lambda method, path, body: Reply.json({}, delay=3.0)) as stub:
+        critic = ServedReflectionCritic(stub.url, timeout=0.5)
+        started = time.monotonic()
+        try:
+            with pytest.raises(ServerTimeout, match=rf"{stub.url}/props timed out after 0.5 s"):
+                critic.connect()
+        finally:
+            critic.close()
+        assert time.monotonic() - started < 2.5
+        assert len(stub.requests) == 1
+
+
+def test_faults_fail_one_paragraph_each_and_keep_the_others(llama_server: Any) -> None:
+    upstream = llama_server("user_defined").url
+    faults = {
+        0: Reply(500, b'{"error": {"code": 500, "message": "boom"}}'),
+        1: Reply(200, b"<html>not json</html>"),
+        2: Reply.json({"content": "no tokens field"}),
+        3: Reply.json({}, delay=3.0),
+    }
+    reference = ServedReflectionCritic(upstream, max_new_tokens=20)
+    with faulty_proxy(upstream, faults) as proxy:
+        # One request at a time, so the n-th /completion belongs to the n-th paragraph.
+        critic = ServedReflectionCritic(proxy.url, max_new_tokens=20, num_workers=1, timeout=1.5)
+        started = time.monotonic()
+        try:
+            judgements = critic.judge(QUERY, PARAGRAPHS)
+            expected = reference.judge(QUERY, PARAGRAPHS)
+        finally:
+            critic.close()
+            reference.close()
+        assert time.monotonic() - started < 15
+        # One per paragraph, plus exact follow-ups for the one that succeeded (at most 3 groups).
+        assert len(PARAGRAPHS) <= proxy.count("/completion") <= len(PARAGRAPHS) + 3
+    errors = [j.error or "" for j in judgements]
+    assert ServerHTTPError.__name__ in errors[0] and "HTTP 500" in errors[0] and "boom" in errors[0]
+    assert MalformedResponse.__name__ in errors[1] and "not JSON" in errors[1]
+    assert MalformedResponse.__name__ in errors[2] and "'tokens'" in errors[2]
+    assert ServerTimeout.__name__ in errors[3] and "timed out" in errors[3]
+    for error in errors[:4]:
+        assert f"{proxy.url}/completion" in error
+    for j in judgements[:4]:
+        assert (j.relevance, j.support, j.utility, j.answer) == (0.0, 0.0, 0.0, "")
+    kept, same = judgements[4], expected[4]
+    assert kept.error is None and kept.answer == same.answer
+    assert kept.relevance == pytest.approx(same.relevance, abs=1e-6)
+
+
+def test_requests_in_flight_are_bounded_by_num_workers(llama_server: Any) -> None:
+    upstream = llama_server("user_defined").url
+
+    def slow(method: str, path: str, body: Any) -> Reply:
+        reply = forward(upstream, method, path, body)
+        if path == "/completion":
+            reply.delay = 0.2
+        return reply
+
+    with StubServer(slow) as proxy:
+        critic = ServedReflectionCritic(proxy.url, max_new_tokens=10, num_workers=2)
+        try:
+            judgements = critic.judge(QUERY, PARAGRAPHS)
+        finally:
+            critic.close()
+        assert all(j.error is None for j in judgements)
+        assert proxy.max_in_flight == 2

@@ -1,0 +1,192 @@
+"""The served reflection critic against llama.cpp's llama-server on the tiny F32 GGUFs.
+
+The key property: on the same model, the served critic's answers and scores equal the
+in-process critic's (to 1e-3), for CONTROL- and USER_DEFINED-typed reflection tokens alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from llama_index.packs.self_rag_rse.self_rag.contract import Critic
+from llama_index.packs.self_rag_rse.self_rag.reflection_critic import (
+    MissingReflectionTokens,
+    ReflectionCritic,
+)
+from llama_index.packs.self_rag_rse.served import (
+    ReflectionTokensUnidentifiable,
+    ServedReflectionCritic,
+)
+
+QUERIES = ["What is the capital of France?", "Who wrote Hamlet?", "why is the sky blue"]
+PARAGRAPHS = [
+    "France\nParis is the capital and largest city of France.",
+    "Hamlet is a tragedy written by William Shakespeare.",
+    "x",
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris.",
+    "Rayleigh scattering makes the sky look blue.",
+]
+MAX_NEW = 30
+TOL = 1e-3
+SCORES = ("relevance", "support", "utility", "seq_score")
+
+
+def assert_same(served: list[Any], local: list[Any]) -> None:
+    assert len(served) == len(local)
+    for s, r in zip(served, local, strict=True):
+        assert s.error is None, s.error
+        assert s.answer == r.answer
+        for name in SCORES:
+            assert getattr(s, name) == pytest.approx(getattr(r, name), abs=TOL), name
+
+
+@pytest.fixture(scope="module", params=["user_defined", "control"])
+def critics(
+    request: pytest.FixtureRequest, tiny_llm: Any, tiny_llm_control: Any, llama_server: Any
+) -> Any:
+    """(in-process critic, served critic) on the same GGUF, one pair per token typing."""
+    llm = tiny_llm if request.param == "user_defined" else tiny_llm_control
+    local = ReflectionCritic(llm, max_new_tokens=MAX_NEW, n_seq_max=4)
+    served = ServedReflectionCritic(
+        llama_server(request.param).url, max_new_tokens=MAX_NEW, timeout=30
+    )
+    served.connect()
+    yield local, served
+    local.close()
+    served.close()
+
+
+def test_served_scores_equal_the_in_process_scores(critics: Any) -> None:
+    local, served = critics
+    assert isinstance(served, Critic) and served.name == "reflection"
+    for query in QUERIES[:2]:
+        before = served.requests
+        judgements = served.judge(query, PARAGRAPHS)
+        assert_same(judgements, local.judge(query, PARAGRAPHS))
+        # One /tokenize for the query and all paragraphs, one /completion per paragraph, and a
+        # follow-up only where a needed reflection token was outside the top 20.
+        refetches = sum(j.details.get("followup_requests", 0) for j in judgements)
+        assert served.requests - before == 1 + len(PARAGRAPHS) + refetches
+    assert served.info.api == "llama.cpp" and served.info.verified
+    judgements = served.judge(QUERIES[0], PARAGRAPHS)
+    assert any(j.support > 0 for j in judgements) and any(j.utility != 0 for j in judgements)
+
+
+def test_served_gate_and_answers_equal_the_in_process_ones(critics: Any) -> None:
+    local, served = critics
+    for query in QUERIES:
+        for threshold in (None, 0.5, 1.0):
+            a = served.decide_retrieval(query, threshold)
+            b = local.decide_retrieval(query, threshold)
+            assert a.retrieve == b.retrieve and a.answer == b.answer
+            assert a.probability == pytest.approx(b.probability, abs=TOL)
+        assert served.generate(query) == local.generate(query)
+
+
+def test_tokens_outside_the_top_n_are_fetched_exactly(critics: Any) -> None:
+    local, served = critics
+    narrow = ServedReflectionCritic(served.root, max_new_tokens=MAX_NEW, top_logprobs=1)
+    try:
+        judgements = narrow.judge(QUERIES[2], PARAGRAPHS)
+        assert_same(judgements, local.judge(QUERIES[2], PARAGRAPHS))
+        # With one candidate per position, every group needs a follow-up (never a KeyError,
+        # never a silent -100).
+        assert all("relevance" in j.details["refetched"] for j in judgements)
+        gate = narrow.decide_retrieval(QUERIES[0], 0.5)
+        assert gate.probability == pytest.approx(
+            local.decide_retrieval(QUERIES[0], 0.5).probability, abs=TOL
+        )
+    finally:
+        narrow.close()
+
+
+def test_bound_mode_is_flagged(critics: Any) -> None:
+    _, served = critics
+    bounded = ServedReflectionCritic(
+        served.root, max_new_tokens=MAX_NEW, top_logprobs=1, missing_logprobs="bound"
+    )
+    try:
+        for j in bounded.judge(QUERIES[0], PARAGRAPHS):
+            # Only the greedy token is shown; the other relevance token gets its log-prob as an
+            # upper bound, so both count equally, and the judgement says so.
+            assert "relevance" in j.details["bounded"]
+            assert j.relevance == pytest.approx(0.5)
+    finally:
+        bounded.close()
+
+
+def test_openai_completions_identify_user_defined_tokens(tiny_llm: Any, llama_server: Any) -> None:
+    local = ReflectionCritic(tiny_llm, max_new_tokens=MAX_NEW, n_seq_max=4)
+    # The text keys carry no follow-up: ask for the whole (tiny) vocabulary to be exact.
+    served = ServedReflectionCritic(
+        llama_server("user_defined").url + "/v1",
+        api="openai",
+        max_new_tokens=MAX_NEW,
+        top_logprobs=2048,
+    )
+    try:
+        judgements = served.judge(QUERIES[0], PARAGRAPHS)
+        assert_same(judgements, local.judge(QUERIES[0], PARAGRAPHS))
+        assert not any("bounded" in j.details for j in judgements)
+        assert served.info.api == "openai"
+        assert not served.info.verified  # llama.cpp's /v1/completions has no echo
+        gate = served.decide_retrieval(QUERIES[1], 0.5)
+        assert gate.probability == pytest.approx(
+            local.decide_retrieval(QUERIES[1], 0.5).probability, abs=TOL
+        )
+    finally:
+        served.close()
+        local.close()
+
+
+def test_openai_completions_cannot_identify_control_tokens(llama_server: Any) -> None:
+    # The upstream pack's bug, made loud: CONTROL tokens decode to "" in string-keyed log-probs.
+    served = ServedReflectionCritic(
+        llama_server("control").url + "/v1", api="openai", max_new_tokens=MAX_NEW
+    )
+    try:
+        with pytest.raises(ReflectionTokensUnidentifiable, match=r"127\.0\.0\.1.*api='llama.cpp'"):
+            served.judge(QUERIES[0], PARAGRAPHS[:2])
+    finally:
+        served.close()
+
+
+def test_a_model_without_reflection_tokens_is_refused(llama_server: Any) -> None:
+    served = ServedReflectionCritic(llama_server("none").url)
+    try:
+        with pytest.raises(MissingReflectionTokens, match="critic='prompted'"):
+            served.connect()
+    finally:
+        served.close()
+
+
+def test_a_group_that_cannot_be_isolated_falls_back_to_the_whole_vocabulary(
+    tiny_llm: Any, llama_server: Any
+) -> None:
+    from served.stub import Reply, StubServer, forward
+
+    upstream = llama_server("user_defined").url
+
+    def spoil(method: str, path: str, body: Any) -> Reply:
+        if path == "/completion" and body.get("post_sampling_probs"):
+            # As if another token had outranked the biased group.
+            foreign = {"id": 3, "token": "x", "bytes": [120], "prob": 0.5}
+            entry = {"id": 3, "token": "x", "bytes": [120], "prob": 0.5, "top_probs": [foreign]}
+            return Reply.json({"tokens": [3], "completion_probabilities": [entry]})
+        return forward(upstream, method, path, body)
+
+    local = ReflectionCritic(tiny_llm, max_new_tokens=MAX_NEW, n_seq_max=4)
+    try:
+        with StubServer(spoil) as proxy:
+            served = ServedReflectionCritic(proxy.url, max_new_tokens=MAX_NEW, top_logprobs=1)
+            try:
+                judgements = served.judge(QUERIES[1], PARAGRAPHS[:3])
+            finally:
+                served.close()
+        assert_same(judgements, local.judge(QUERIES[1], PARAGRAPHS[:3]))
+    finally:
+        local.close()
+    # Per paragraph: the group request, then the whole-vocabulary one.
+    assert all(j.details["followup_requests"] >= 2 for j in judgements)

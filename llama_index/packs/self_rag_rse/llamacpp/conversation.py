@@ -275,47 +275,30 @@ class Conversation:
         prompts: list[_Prompt],
         outputs: list[SequenceOutput | None],
     ) -> None:
-        native = self._native
-        slots: list[Slot] = []
-        for i, r in enumerate(group):
-            p = prompts[r]
-            slot = Slot(r, group_plan.seq_of[i], [], len(p.tokens), p.max_new, p.track, p.stops)
-            slot.truncated, slot.keep = p.truncated, p.keep
-            slots.append(slot)
-        cached = {
-            s.request: self._held[s.source].logits
-            for s in group_plan.starts
-            if s.edge is None and s.request is not None and s.source is not None
-        }
+        """Evaluate the plan level by level, then generate for every prompt together."""
+        slots = [
+            Slot(
+                r,
+                group_plan.seq_of[i],
+                [],
+                len(prompts[r].tokens),
+                prompts[r].max_new,
+                prompts[r].track,
+                prompts[r].stops,
+                truncated=prompts[r].truncated,
+                keep=prompts[r].keep,
+            )
+            for i, r in enumerate(group)
+        ]
         try:
-            # Copies before continuations in place: a copy may need what a trim drops.
-            for start in group_plan.starts:
-                if start.source is not None and not start.takeover:
-                    if start.edge is not None:
-                        native.fork(start.source, start.edge.seq, start.length)
-                    elif start.request is not None:
-                        native.fork(start.source, slots[start.request].seq_id, start.length)
-            for start in group_plan.starts:
-                if start.takeover and start.source is not None:
-                    native.trim(start.source, start.length)
-                elif start.source is None and start.edge is not None:
-                    native.trim(start.edge.seq, 0)
-            for seq in group_plan.claimed:
-                del self._held[seq]  # continued in place: they become the group's sequences
-            for i, logits in cached.items():
-                if slots[i].max_new == 0:
-                    slots[i].finish_reason = "length"
-                else:
-                    assert logits is not None
-                    greedy_step(slots[i], logits, native.is_eog)
-                    native.stats.generated_tokens += 1
+            self._start(group_plan, slots)
             for level in group_plan.waves():
                 for edge, parent in level:
                     if parent is not None and edge.seq != parent.seq:
-                        native.fork(parent.seq, edge.seq, edge.start)
+                        self._native.fork(parent.seq, edge.seq, edge.start)
                 runs: list[Slot] = []
                 for edge, _ in level:
-                    if edge.request is None:
+                    if edge.request is None:  # shared by several prompts: evaluate only
                         runs.append(Slot(-1, edge.seq, list(edge.tokens), edge.start, 0))
                     else:
                         slot = slots[edge.request]
@@ -335,6 +318,38 @@ class Conversation:
             self._held[slot.seq_id] = Held(
                 [*p.tokens, *slot.tokens[: slot.fed]], slot.logits, p.keep
             )
+
+    def _start(self, group_plan: Plan, slots: list[Slot]) -> None:
+        """Give each start the held prefix it continues; prompts held whole read their logits."""
+        native = self._native
+        cached = {
+            s.request: self._held[s.source].logits
+            for s in group_plan.starts
+            if s.edge is None and s.request is not None and s.source is not None
+        }
+        # Copies before continuations in place: a copy may need what a trim drops.
+        for start in group_plan.starts:
+            if start.source is None or start.takeover:
+                continue
+            if start.edge is not None:
+                native.fork(start.source, start.edge.seq, start.length)
+            else:
+                assert start.request is not None  # a prompt held whole
+                native.fork(start.source, slots[start.request].seq_id, start.length)
+        for start in group_plan.starts:
+            if start.takeover and start.source is not None:
+                native.trim(start.source, start.length)
+            elif start.source is None and start.edge is not None:
+                native.trim(start.edge.seq, 0)
+        for seq in group_plan.claimed:
+            del self._held[seq]  # continued in place: they become the group's sequences
+        for i, logits in cached.items():
+            if slots[i].max_new == 0:
+                slots[i].finish_reason = "length"
+            else:
+                assert logits is not None
+                greedy_step(slots[i], logits, native.is_eog)
+                native.stats.generated_tokens += 1
 
     def _run(self, slots: list[Slot], group: list[Slot], prefill: bool) -> None:
         """Decode ``slots`` in as few ``llama_decode`` calls as the batch size allows.

@@ -1,5 +1,5 @@
-"""Sequences of the batched decoder: what one holds while decoding, what it returns, and a
-prompt held open in the KV cache between calls.
+"""Sequences of the batched decoder: what is asked (:class:`Request`), what one holds while
+decoding, what it returns, and a prompt held open in the KV cache between calls.
 
 These pieces need no llama.cpp call of their own: :class:`PromptSession` drives a
 :class:`~.conversation.Conversation`, and the greedy step works on logits already copied out.

@@ -15,6 +15,7 @@ from retrievers import FixedRetriever
 from served.stub import Reply, StubServer, forward
 
 from llama_index.packs.self_rag_rse import PromptedCritic, SelfRAGQueryEngine
+from llama_index.packs.self_rag_rse.evaluation.calls import ModelCallCounter
 from llama_index.packs.self_rag_rse.served import ServedReflectionCritic
 
 QUESTION = "What does the while statement do?"
@@ -47,9 +48,15 @@ def test_served_engine_equals_the_in_process_engine(
         **options,
     ) as served:
         assert isinstance(served.critic, ServedReflectionCritic)
-        got = served.query(QUESTION)
-        expected = local.query(QUESTION)
+        with ModelCallCounter() as served_calls:
+            got = served.query(QUESTION)
+        with ModelCallCounter() as local_calls:
+            expected = local.query(QUESTION)
     local.close()
+    # Neither critic goes through an LLM request; both are seen by their spans: the retrieval
+    # decision and one judgement of every paragraph.
+    expected_calls = {"llm_requests": 0, "critic_calls": 2, "model_calls": 2}
+    assert served_calls.counts() == local_calls.counts() == expected_calls
     a, b = got.metadata["self_rag"], expected.metadata["self_rag"]
     assert got.response == expected.response
     assert a["critic"] == b["critic"] == "reflection"

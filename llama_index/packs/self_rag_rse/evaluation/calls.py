@@ -13,7 +13,8 @@ Two kinds of call reach the answering model:
   ``ajudge``, ``agenerate``) in which no LLM request happened counts as one call. A critic that
   goes through an LLM (a served model) is counted by its LLM requests instead, never twice.
 
-Critics that emit no spans are not seen; the prompted critic does.
+Every critic of this package emits these spans (prompted, reflection in process, served
+reflection); a critic of your own is seen once its three methods carry ``@dispatcher.span``.
 """
 
 from __future__ import annotations

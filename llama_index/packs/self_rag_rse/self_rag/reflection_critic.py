@@ -13,6 +13,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from llama_index.core.instrumentation import get_dispatcher
+
 from llama_index.packs.self_rag_rse.common.bridge import SerialWorker
 from llama_index.packs.self_rag_rse.llamacpp import compat
 from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     import llama_cpp
 
 logger = logging.getLogger(__name__)
+dispatcher = get_dispatcher(__name__)
 
 T = TypeVar("T")
 
@@ -200,6 +203,7 @@ class ReflectionCritic(BaseCritic):
             out = session.generate(self.max_new_tokens, forced=[self.token_ids[NO_RETRIEVAL]])
         return self._answer_text(out.tokens)
 
+    @dispatcher.span
     async def adecide_retrieval(
         self, query: str, threshold: float | None, answer_if_skipped: bool = True
     ) -> RetrievalDecision:
@@ -208,10 +212,12 @@ class ReflectionCritic(BaseCritic):
             self._held, self._decide_retrieval, query, threshold, answer_if_skipped
         )
 
+    @dispatcher.span
     async def ajudge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
         """Answer from every paragraph in one batched pass and score each answer."""
         return await self._worker.run(self._held, self._judge, query, paragraphs)
 
+    @dispatcher.span
     async def agenerate(self, query: str) -> str:
         """Answer with no evidence: greedy continuation after ``[No Retrieval]``."""
         return await self._worker.run(self._held, self._generate, query)

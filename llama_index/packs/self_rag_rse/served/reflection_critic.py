@@ -28,6 +28,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 from urllib.parse import urlparse
 
+from llama_index.core.instrumentation import get_dispatcher
+
 from llama_index.packs.self_rag_rse.common.bridge import run_sync
 from llama_index.packs.self_rag_rse.self_rag.base_critic import BaseCritic
 from llama_index.packs.self_rag_rse.self_rag.contract import ParagraphJudgement, RetrievalDecision
@@ -60,6 +62,7 @@ from llama_index.packs.self_rag_rse.served.http import (
 from llama_index.packs.self_rag_rse.served.wire import Completion
 
 logger = logging.getLogger(__name__)
+dispatcher = get_dispatcher(__name__)
 
 Api = Literal["auto", "llama.cpp", "openai"]
 Missing = Literal["auto", "refetch", "bound"]
@@ -265,6 +268,7 @@ class ServedReflectionCritic(BaseCritic):
 
     # --- the Critic protocol -------------------------------------------------------------------
 
+    @dispatcher.span
     async def adecide_retrieval(
         self, query: str, threshold: float | None, answer_if_skipped: bool = True
     ) -> RetrievalDecision:
@@ -299,6 +303,7 @@ class ServedReflectionCritic(BaseCritic):
         )
         return RetrievalDecision(retrieve=retrieve, probability=probability, answer=answer)
 
+    @dispatcher.span
     async def ajudge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
         """Answer from every paragraph (concurrent requests) and score each answer.
 
@@ -340,6 +345,7 @@ class ServedReflectionCritic(BaseCritic):
                 judgements.append(result)
         return judgements
 
+    @dispatcher.span
     async def agenerate(self, query: str) -> str:
         """Answer with no evidence: greedy continuation after ``[No Retrieval]``."""
         backend, info = await self._ready()

@@ -313,6 +313,30 @@ def test_context_creation_failure_retries_with_fewer_sequences(
         assert decoder._native.n_cells <= 256
 
 
+def test_a_size_that_failed_is_not_tried_again_for_a_while(
+    tiny_llm: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from llama_index.packs.self_rag_rse.llamacpp import context
+
+    inputs = inputs_for(tiny_llm)
+    limited = LimitedContexts(limit=256)
+    monkeypatch.setattr(llama_cpp, "llama_init_from_model", limited)
+    with BatchedDecoder(tiny_llm, n_seq_max=4, kv_unified=False) as decoder:
+        first = decoder.generate(**inputs, max_new_tokens=100)
+        tried = len(limited.requested)
+        assert max(limited.requested) > 256
+        assert caplog.text.count("at a time instead of 4") == 1
+        kept = decoder._native.ctx
+        second = decoder.generate(**inputs, max_new_tokens=100)
+        # No failing attempt, and the context that fits (with its KV cache) was kept.
+        assert limited.requested[tried:] == [] and decoder._native.ctx is kept
+        assert_same(second, first)
+        assert caplog.text.count("at a time instead of 4") == 1  # reported once
+        monkeypatch.setattr(context, "RETRY_FAILED_SIZE_AFTER_S", 0.0)
+        assert_same(decoder.generate(**inputs, max_new_tokens=100), first)
+        assert max(limited.requested[tried:]) > 256  # memory may be back: the full size again
+
+
 def test_context_creation_failure_for_one_sequence_raises_once(
     tiny_llm: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -53,6 +53,11 @@ INHERITED_PARAMS = (
     "swa_full",
 )
 
+#: For this long after llama.cpp failed to create a context of some size, no context at least
+#: that large is tried again (the call goes straight to fewer sequences at a time); after it,
+#: memory may have been freed and the full size is tried once more.
+RETRY_FAILED_SIZE_AFTER_S = 60.0
+
 #: One token of a batch: (token id, position, sequence id, whether its logits are wanted).
 Entry = tuple[int, int, int, bool]
 
@@ -157,6 +162,10 @@ class NativeContext:
         self.n_streams = 0  # sequence ids the context accepts (split: KV streams allocated)
         self.epoch = 0
         self._batch: Any = None
+        #: The smallest context (total KV cells) llama.cpp failed to create, and when.
+        self._failed: tuple[int, float] | None = None
+        #: Whether decoding fewer sequences at a time was already reported (once per context).
+        self.narrowing_reported = False
 
     # --- creation -------------------------------------------------------------------------------
 
@@ -182,14 +191,19 @@ class NativeContext:
             round_cells(max(cells, room_cells, self.n_cells)),
             self._streams(max(sequences, room_sequences, self.n_streams)),
         )
+        # Sizes llama.cpp just failed to create are not tried again, and when nothing is left
+        # to try the current context (and the KV cache it holds) stays as it is.
+        shapes = [s for s in dict.fromkeys([grown, wanted]) if not self._known_to_fail(*s)]
+        if not shapes:
+            raise ContextCreationError(self._total_cells(*wanted), sequences)
         self.free()
-        for n_cells, streams in dict.fromkeys([grown, wanted]):
+        for n_cells, streams in shapes:
             ctx = self._create(n_cells, streams)
             if ctx is not None:
                 break
+            self._record_failure(n_cells, streams)
         else:
-            n_cells, streams = wanted
-            raise ContextCreationError(self._total_cells(n_cells, streams), sequences)
+            raise ContextCreationError(self._total_cells(*wanted), sequences)
         self.ctx = ctx
         self.n_cells = n_cells
         self.n_streams = streams
@@ -230,6 +244,21 @@ class NativeContext:
 
     def _total_cells(self, n_cells: int, streams: int) -> int:
         return n_cells if self.kv_unified else n_cells * streams
+
+    def _known_to_fail(self, n_cells: int, streams: int) -> bool:
+        """Whether a context this large failed to be created within the last
+        :data:`RETRY_FAILED_SIZE_AFTER_S` seconds (a larger one would fail too)."""
+        if self._failed is None:
+            return False
+        cells, when = self._failed
+        if time.monotonic() - when >= RETRY_FAILED_SIZE_AFTER_S:
+            self._failed = None
+            return False
+        return self._total_cells(n_cells, streams) >= cells
+
+    def _record_failure(self, n_cells: int, streams: int) -> None:
+        # Only sizes below a recorded failure are tried, so this one is the new smallest.
+        self._failed = (self._total_cells(n_cells, streams), time.monotonic())
 
     def _create(self, n_cells: int, streams: int) -> Any:
         """A new llama.cpp context, or None when llama.cpp cannot create it."""

@@ -145,7 +145,11 @@ class Conversation:
                         outputs[r] = failed(str(exc), len(prompts[r].track), prompts[r].truncated)
                         logger.warning("sequence %d failed: %s", r, exc)
         if failure is not None and self._width < first_width:
-            logger.warning(
+            # Reported once: later calls skip the size that failed for a while (see
+            # context.RETRY_FAILED_SIZE_AFTER_S) and narrow at no cost.
+            report = logger.debug if self._native.narrowing_reported else logger.warning
+            self._native.narrowing_reported = True
+            report(
                 "%s; decoding %d sequence(s) at a time instead of %d, which is slower: lower "
                 "n_seq_max to skip the failed attempt, or free memory",
                 failure,

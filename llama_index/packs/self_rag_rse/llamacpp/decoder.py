@@ -111,7 +111,9 @@ class BatchedDecoder:
     The KV cache is sized lazily to what a call needs, kept between calls and recreated only
     when a call needs more. When llama.cpp cannot create a context that large (not enough
     memory), a call decodes fewer sequences at a time, down to one, and raises
-    :class:`ContextCreationError` only if even that fails. :attr:`stats` counts the work done.
+    :class:`ContextCreationError` only if even that fails; for a minute after such a failure
+    (``context.RETRY_FAILED_SIZE_AFTER_S``) no context that large is tried again, so later
+    calls narrow at once and keep the context they have. :attr:`stats` counts the work done.
 
     Calls are serialised by a lock, so one decoder may be shared by threads; :meth:`close` and
     ``Llama.close()`` wait for the running call. Once the ``Llama``'s model is closed every call

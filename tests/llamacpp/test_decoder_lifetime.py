@@ -15,6 +15,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 import pytest
+from conftest import GGML_TYPE_F32, _llama
 
 from llama_index.packs.self_rag_rse.llamacpp import compat
 from llama_index.packs.self_rag_rse.llamacpp.compat import MODEL_CLOSED_MESSAGE, ModelClosedError
@@ -32,22 +33,7 @@ PARAGRAPHS = [
     "Mount Everest is the highest mountain above sea level.",
     "x",
 ]
-GGML_TYPE_F32 = 0
 JOIN_TIMEOUT = 60.0
-
-
-def _llama(path: Path, **kwargs: Any) -> Any:
-    """A Llama with conftest's options (F32 KV cache, one thread)."""
-    options: dict[str, Any] = {
-        "n_ctx": 1024,
-        "n_threads": 1,
-        "n_threads_batch": 1,
-        "type_k": GGML_TYPE_F32,
-        "type_v": GGML_TYPE_F32,
-        "verbose": False,
-    }
-    options.update(kwargs)
-    return llama_cpp.Llama(str(path), **options)
 
 
 @pytest.fixture

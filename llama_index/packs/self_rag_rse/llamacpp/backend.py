@@ -27,6 +27,7 @@ from llama_index.packs.self_rag_rse.llamacpp.prompt_tokens import PromptTokenize
 from llama_index.packs.self_rag_rse.llamacpp.session import Request, SequenceOutput
 from llama_index.packs.self_rag_rse.self_rag.backend import (
     CriticBackend,
+    FirstRound,
     Generated,
     JudgementPrompts,
     ParagraphResult,
@@ -210,30 +211,19 @@ class LlamaCppBackend(CriticBackend):
                 answers, relevance = self._first_round(
                     conversation, prompts.answer, RELEVANCE_SCALE, prompts.relevance, values
                 )
-                part = [
-                    ParagraphResult(answer, {"relevance": rel})
-                    for answer, rel in zip(answers, relevance, strict=True)
-                ]
-                live = [
-                    (i, result.answer.text)
-                    for i, result in enumerate(part)
-                    if isinstance(result.answer, Generated)
-                ]
+                first = FirstRound.of(answers, relevance)
                 support = self._label_requests(
-                    SUPPORT_SCALE,
-                    prompts.support,
-                    [prompt_values(query, group[i], text) for i, text in live],
+                    SUPPORT_SCALE, prompts.support, first.support_values(query, group)
                 )
                 utility = self._label_requests(
-                    UTILITY_SCALE,
-                    prompts.utility,
-                    [prompt_values(query, None, text) for _, text in live],
+                    UTILITY_SCALE, prompts.utility, first.utility_values(query)
                 )
-                outputs = conversation.run([*support, *utility])
-                for k, (i, _) in enumerate(live):
-                    part[i].scores["support"] = self._scored(outputs[k], SUPPORT_SCALE)
-                    part[i].scores["utility"] = self._scored(outputs[len(live) + k], UTILITY_SCALE)
-                results += part
+                outputs = conversation.run([*support, *utility])  # nothing to do when empty
+                n = len(first.answered)
+                results += first.record(
+                    [self._scored(out, SUPPORT_SCALE) for out in outputs[:n]],
+                    [self._scored(out, UTILITY_SCALE) for out in outputs[n:]],
+                )
         return results
 
     # --- helpers -------------------------------------------------------------------------------

@@ -93,6 +93,49 @@ def prompt_values(query: str, paragraph: str | None = None, answer: str | None =
     return values
 
 
+@dataclass
+class FirstRound:
+    """A judgement after its first round (answers and relevance), and what the second asks.
+
+    ``answered`` lists ``(index, answer text)`` of the paragraphs that got an answer: only they
+    are asked about support and utility.
+    """
+
+    results: list[ParagraphResult]
+    answered: list[tuple[int, str]]
+
+    @classmethod
+    def of(
+        cls, answers: Sequence[Generated | Exception], relevance: Sequence[Scored | Exception]
+    ) -> FirstRound:
+        """The results of the first round's ``answers`` and ``relevance`` (input order)."""
+        results = [
+            ParagraphResult(answer, {"relevance": rel})
+            for answer, rel in zip(answers, relevance, strict=True)
+        ]
+        answered = [
+            (i, r.answer.text) for i, r in enumerate(results) if isinstance(r.answer, Generated)
+        ]
+        return cls(results, answered)
+
+    def support_values(self, query: str, paragraphs: Sequence[str]) -> list[Values]:
+        """Values of the support questions: each answered paragraph with its answer."""
+        return [prompt_values(query, paragraphs[i], text) for i, text in self.answered]
+
+    def utility_values(self, query: str) -> list[Values]:
+        """Values of the utility questions: each answer, without its paragraph."""
+        return [prompt_values(query, None, text) for _, text in self.answered]
+
+    def record(
+        self, support: Sequence[Scored | Exception], utility: Sequence[Scored | Exception]
+    ) -> list[ParagraphResult]:
+        """Add the second round's scores (one per answered paragraph); returns the results."""
+        for (i, _), sup, use in zip(self.answered, support, utility, strict=True):
+            self.results[i].scores["support"] = sup
+            self.results[i].scores["utility"] = use
+        return self.results
+
+
 class CriticBackend(ABC):
     """Continue prompts and read label probabilities, for a batch of prompts at once."""
 
@@ -155,32 +198,14 @@ class CriticBackend(ABC):
                 generator.generate(prompts.answer, values),
                 self.score(RELEVANCE_SCALE, prompts.relevance, values),
             )
-        results = [
-            ParagraphResult(answer, {"relevance": rel})
-            for answer, rel in zip(answers, relevance, strict=True)
-        ]
-        live = [
-            (i, result.answer.text)
-            for i, result in enumerate(results)
-            if isinstance(result.answer, Generated)
-        ]
-        if live:
-            support, utility = await asyncio.gather(
-                self.score(
-                    SUPPORT_SCALE,
-                    prompts.support,
-                    [prompt_values(query, paragraphs[i], text) for i, text in live],
-                ),
-                self.score(
-                    UTILITY_SCALE,
-                    prompts.utility,
-                    [prompt_values(query, None, text) for _, text in live],
-                ),
-            )
-            for (i, _), sup, use in zip(live, support, utility, strict=True):
-                results[i].scores["support"] = sup
-                results[i].scores["utility"] = use
-        return results
+        first = FirstRound.of(answers, relevance)
+        if not first.answered:
+            return first.results
+        support, utility = await asyncio.gather(
+            self.score(SUPPORT_SCALE, prompts.support, first.support_values(query, paragraphs)),
+            self.score(UTILITY_SCALE, prompts.utility, first.utility_values(query)),
+        )
+        return first.record(support, utility)
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Free what the backend holds (never the model it was given)."""

@@ -19,6 +19,7 @@ from llama_index.packs.self_rag_rse.rse.calibration import (
     beta_cdf,
     calibrate,
     calibrate_beta,
+    calibrate_cosine_adaptive,
     calibrate_minmax,
 )
 
@@ -156,12 +157,47 @@ def test_calibrate_minmax() -> None:
         calibrate_minmax([0.5], low=0.8, high=0.8)
 
 
+def test_cosine_adaptive_stretches_to_the_best_hit_and_no_further() -> None:
+    # Strong hits: a fixed (0.1, 0.5) range maps 0.55, 0.65 and 0.75 all to 1.
+    strong = np.array([0.75, 0.65, 0.55, 0.3, 0.1, 0.05])
+    assert calibrate_minmax(strong, 0.1, 0.5)[:3].tolist() == [1.0, 1.0, 1.0]
+    out = calibrate_cosine_adaptive(strong, 0.1, 0.5)
+    np.testing.assert_allclose(out, (np.clip(strong, 0.1, None) - 0.1) / 0.65, atol=1e-15)
+    assert out[0] == 1.0 and out[0] > out[1] > out[2] > out[3] > 0.0 and out[4] == out[5] == 0.0
+    # Weak hits only: the fixed range applies, so nothing is made to look relevant.
+    weak = np.array([0.3, 0.2, 0.05])
+    np.testing.assert_array_equal(
+        calibrate_cosine_adaptive(weak, 0.1, 0.5), calibrate_minmax(weak, 0.1, 0.5)
+    )
+    # Infinities saturate without stretching the range; no scores, no values.
+    with_inf = calibrate_cosine_adaptive([np.inf, 0.6, -np.inf], 0.1, 0.5)
+    np.testing.assert_allclose(with_inf, [1.0, 1.0, 0.0])
+    assert calibrate_cosine_adaptive([], 0.1, 0.5).shape == (0,)
+    with pytest.raises(ValueError, match="high > low"):
+        calibrate_cosine_adaptive([0.2], 0.5, 0.5)
+
+
+@given(st.lists(st.floats(-1.0, 1.0), min_size=1, max_size=30))
+def test_cosine_adaptive_keeps_the_order_and_stays_in_range(scores: list[float]) -> None:
+    values = np.array(scores)
+    out = calibrate_cosine_adaptive(values, *DEFAULT_COSINE_RANGE)
+    assert np.all((out >= 0.0) & (out <= 1.0))
+    order = np.argsort(values, kind="stable")
+    assert np.all(np.diff(out[order]) >= 0.0)
+    if values.max() > DEFAULT_COSINE_RANGE[1]:
+        assert out.max() == 1.0
+
+
 # -- the registry: every calibration named once ---------------------------------------------------
 
 
 def test_calibrate_dispatches_by_name():
     scores = np.array([-0.2, 0.05, 0.3, 0.55, 0.97])
-    assert sorted(CALIBRATIONS) == ["cohere", "cosine", "raw", "voyage"]
+    assert sorted(CALIBRATIONS) == ["cohere", "cosine", "cosine_adaptive", "raw", "voyage"]
+    np.testing.assert_array_equal(
+        calibrate("cosine_adaptive", scores),
+        calibrate_cosine_adaptive(scores, *DEFAULT_COSINE_RANGE),
+    )
     np.testing.assert_array_equal(
         calibrate("cosine", scores), calibrate_minmax(scores, *DEFAULT_COSINE_RANGE)
     )

@@ -190,6 +190,21 @@ def test_docstore_fills_gap_between_hits(doc_nodes, docstore_with):
     assert result[0].node.get_content() == "".join(n.text for n in nodes[2:5])
 
 
+def test_default_calibration_keeps_strong_hits_apart(doc_nodes, docstore_with):
+    # Similarities above cosine_range's top (0.5): the fixed 'cosine' range counts both hits
+    # fully relevant (values differ only by rank); the default stretches the range to 0.75.
+    nodes = doc_nodes("doc", 10)
+    hits = [NodeWithScore(node=nodes[2], score=0.75), NodeWithScore(node=nodes[7], score=0.55)]
+    store = docstore_with(nodes)
+    adaptive = RelevantSegmentPostprocessor(docstore=store).extract(hits).values
+    fixed = RelevantSegmentPostprocessor(docstore=store, calibration="cosine").extract(hits).values
+    top, second = sorted(adaptive)[-1], sorted(adaptive)[-2]
+    assert top == sorted(fixed)[-1]  # the best hit is relevance 1 either way
+    assert second < sorted(fixed)[-2]
+    decay, penalty = 30.0, 0.18  # the balanced preset
+    assert second == pytest.approx(math.exp(-1 / decay) * (0.55 - 0.1) / (0.75 - 0.1) - penalty)
+
+
 def test_none_and_negative_scores(doc_nodes, docstore_with):
     nodes = doc_nodes("doc", 6)
     store = docstore_with(nodes)

@@ -9,7 +9,9 @@ must mean the same thing from query to query and spread over [0, 1]. Raw scores 
 - Voyage rerankers give mostly low scores: :data:`VOYAGE_RERANK_BETA` (Beta(0.5, 1.8)).
 - Embedding cosine similarity lives in a narrow, model-specific band: rescale it linearly with
   :func:`calibrate_minmax` from the similarity of an unrelated pair (``low``) to that of a clearly
-  relevant one (``high``), measured on your own data.
+  relevant one (``high``), measured on your own data. A fixed ``high`` saturates when a query's
+  good hits all score above it (they all become relevance 1 and RSE sees only their ranks):
+  :func:`calibrate_cosine_adaptive`, the default, raises ``high`` to the query's best score.
 
 Other rerankers: look at a histogram of their scores on your data and pick a Beta whose CDF maps
 it close to uniform. :data:`CALIBRATIONS` names each calibration once; :func:`calibrate` applies a
@@ -34,6 +36,7 @@ __all__ = [
     "beta_cdf",
     "calibrate",
     "calibrate_beta",
+    "calibrate_cosine_adaptive",
     "calibrate_minmax",
 ]
 
@@ -195,6 +198,23 @@ def calibrate_minmax(scores: ArrayLike, low: float, high: float) -> float | Floa
     return clipped
 
 
+def calibrate_cosine_adaptive(scores: ArrayLike, low: float, high: float) -> FloatArray:
+    """:func:`calibrate_minmax` over ``(low, max(high, best score))``: one query's scores.
+
+    ``scores`` are the similarities of one query's hits. When the best of them is above
+    ``high``, the range stretches up to it: the best hit maps to 1 and the others keep their
+    spacing below it, where a fixed range would map every hit above ``high`` to 1 (with
+    all-MiniLM-L6-v2 and the default range, a question's top hits score 0.55-0.75 and would all
+    count as equally relevant). When no hit reaches ``high`` the result is
+    :func:`calibrate_minmax`'s, so a query with only weak hits still gets low relevance.
+    Infinite scores map to 0 or 1 and do not stretch the range.
+    """
+    values = np.asarray(scores, dtype=np.float64)
+    finite = values[np.isfinite(values)]
+    top = float(finite.max()) if finite.size else high
+    return np.asarray(calibrate_minmax(values, low, max(high, top)), dtype=np.float64)
+
+
 #: Cosine similarities of all-MiniLM/BGE-class embedders mapped linearly onto [0, 1]: unrelated
 #: passages score about 0.1 with these models, clearly relevant ones 0.5 and above (see README).
 DEFAULT_COSINE_RANGE = (0.1, 0.5)
@@ -206,6 +226,10 @@ Calibrator = Callable[[FloatArray, tuple[float, float]], FloatArray]
 
 def _cosine(scores: FloatArray, cosine_range: tuple[float, float]) -> FloatArray:
     return np.asarray(calibrate_minmax(scores, *cosine_range), dtype=np.float64)
+
+
+def _cosine_adaptive(scores: FloatArray, cosine_range: tuple[float, float]) -> FloatArray:
+    return calibrate_cosine_adaptive(scores, *cosine_range)
 
 
 def _raw(scores: FloatArray, cosine_range: tuple[float, float]) -> FloatArray:
@@ -221,13 +245,16 @@ def _voyage(scores: FloatArray, cosine_range: tuple[float, float]) -> FloatArray
 
 
 CALIBRATIONS: dict[str, Calibrator] = {
+    "cosine_adaptive": _cosine_adaptive,
     "cosine": _cosine,
     "raw": _raw,
     "cohere": _cohere,
     "voyage": _voyage,
 }
-"""Every calibration by name: ``cosine`` (linear over the cosine range, for embedding
-similarity), ``raw`` (scores used as they are), ``cohere`` / ``voyage`` (dsRAG's Beta CDFs)."""
+"""Every calibration by name: ``cosine_adaptive`` (linear over the cosine range, its top raised
+to the query's best hit; the default, for embedding similarity), ``cosine`` (linear over the
+fixed cosine range), ``raw`` (scores used as they are), ``cohere`` / ``voyage`` (dsRAG's Beta
+CDFs)."""
 
 
 def check_calibration(method: Any) -> None:
@@ -249,7 +276,8 @@ def calibrate(
 
     A callable gets the scores as a float64 array and must return one relevance per score.
     ``cosine_range`` is ``(low, high)`` for ``"cosine"``: similarities at or below ``low`` count
-    0, at or above ``high`` 1.
+    0, at or above ``high`` 1; ``"cosine_adaptive"`` raises ``high`` to the best of ``scores``
+    (pass one query's scores together).
     """
     check_calibration(method)
     values = np.asarray(scores, dtype=np.float64)

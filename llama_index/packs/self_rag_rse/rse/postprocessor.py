@@ -137,16 +137,20 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         default=None, description="Only documents of the top-k hits (by best rank) are searched."
     )
     calibration: Any = Field(
-        default="cosine",
+        default="cosine_adaptive",
         description=(
-            "How node scores become relevance in [0, 1]: 'cosine' (linear over cosine_range), "
-            "'raw' (as is), 'cohere' / 'voyage' (dsRAG's beta CDFs for those rerankers), or a "
-            "callable on a numpy array."
+            "How node scores become relevance in [0, 1]: 'cosine_adaptive' (linear over "
+            "cosine_range, its top raised to the query's best score), 'cosine' (linear over the "
+            "fixed cosine_range), 'raw' (as is), 'cohere' / 'voyage' (dsRAG's beta CDFs for those "
+            "rerankers), or a callable on a numpy array (one query's scores)."
         ),
     )
     cosine_range: tuple[float, float] = Field(
         default=DEFAULT_COSINE_RANGE,
-        description="Similarities at or below the first count 0, at or above the second 1.",
+        description=(
+            "Similarities at or below the first count 0, at or above the second 1 ('cosine'); "
+            "'cosine_adaptive' maps the query's best score to 1 when it is above the second."
+        ),
     )
     chunk_length_adjustment: bool = Field(
         default=False,

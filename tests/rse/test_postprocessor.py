@@ -7,6 +7,7 @@ import logging
 import math
 import warnings
 
+import numpy as np
 import pytest
 from corpus import CORPUS, corpus_documents
 from llama_index.core import VectorStoreIndex
@@ -219,6 +220,19 @@ def test_none_and_negative_scores(doc_nodes, docstore_with):
     mixed = [NodeWithScore(node=nodes[1], score=0.9), NodeWithScore(node=nodes[2], score=None)]
     with pytest.warns(UserWarning, match="no score"):
         rse.postprocess_nodes(mixed)
+    # The calibration sees the real scores only: an infinite one saturates at 1 without
+    # stretching the adaptive range, and the missing one is not a stand-in score of 0.
+    seen: list[list[float]] = []
+    recording = RelevantSegmentPostprocessor(
+        docstore=store, calibration=lambda s: seen.append(s.tolist()) or np.clip(s, 0, 1)
+    )
+    with pytest.warns(UserWarning, match="no score"):
+        recording.postprocess_nodes(mixed)
+    assert seen == [[0.9]]
+    infinite = [NodeWithScore(node=nodes[1], score=math.inf), *mixed]
+    with pytest.warns(UserWarning, match="no score"):
+        values = rse.extract(infinite).values
+    assert sorted(values)[-2] > 0.5  # 0.9 keeps most of its relevance next to the infinity
 
 
 def test_nan_score_is_an_error(doc_nodes):

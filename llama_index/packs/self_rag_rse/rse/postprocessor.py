@@ -369,7 +369,11 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
                     stacklevel=4,
                 )
             known = np.array([np.nan if s is None else float(s) for s in scores])
-            relevance = np.where(np.isnan(known), 1.0, self._relevance(np.nan_to_num(known)))
+            # Only real scores are calibrated: a per-query calibration must not see stand-ins.
+            scored = ~np.isnan(known)
+            relevance = np.ones(len(known))
+            if scored.any():
+                relevance[scored] = self._relevance(known[scored])
         if np.isnan(relevance).any():
             raise ValueError(
                 "the calibration turned node scores into NaN: make it return a number in [0, 1] "

@@ -38,7 +38,7 @@ COLLECTION = "quickstart"
 CHUNK_SIZE, CHUNK_OVERLAP = 128, 16
 #: Part of the fingerprint, so changing how we ingest re-indexes instead of reusing.
 INGEST_SETTINGS = (
-    f"DocumentSectioner+SentenceSplitter({CHUNK_SIZE},{CHUNK_OVERLAP})+ChunkIndexer"
+    f"DocumentSectioner+SentenceSplitter({CHUNK_SIZE},{CHUNK_OVERLAP})+ChunkIndexer(stable_ids)"
     "+ContextualHeaders+all-MiniLM-L6-v2"
 )
 #: Printed whenever the demo judges with the bundled model.
@@ -214,7 +214,8 @@ def context_transformations(args: argparse.Namespace) -> list:
         )
     else:
         sectioner = DocumentSectioner(strategy="headings", splitter=splitter)
-    return [sectioner, ChunkIndexer(), ContextualHeaders()]
+    # Stable ids: RSE reads the chunks between hits by id (Qdrant local mode scans for filters).
+    return [sectioner, ChunkIndexer(stable_ids=True), ContextualHeaders()]
 
 
 def sectioning_llm(args: argparse.Namespace):

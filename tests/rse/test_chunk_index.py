@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 from llama_index.core.ingestion import IngestionPipeline
@@ -42,3 +43,22 @@ def test_arrival_order_without_offsets_and_orphans_left_alone():
     ChunkIndexer()([loose[2], orphan, loose[0], loose[1]])
     assert [n.metadata[CHUNK_INDEX_KEY] for n in loose] == [1, 2, 0]
     assert CHUNK_INDEX_KEY not in orphan.metadata
+
+
+def test_stable_ids_rename_the_chunks_and_their_links(split):
+    from llama_index.packs.self_rag_rse.rse.chunk_index import stable_chunk_id
+
+    nodes = split(64, 0)
+    kept = ChunkIndexer()([n.model_copy(deep=True) for n in nodes])
+    assert [n.node_id for n in kept] == [n.node_id for n in nodes]  # off by default
+    renamed = ChunkIndexer(stable_ids=True)([n.model_copy(deep=True) for n in nodes])
+    doc_id = nodes[0].ref_doc_id
+    assert [n.node_id for n in renamed] == [stable_chunk_id(doc_id, i) for i in range(len(nodes))]
+    for before, after in itertools.pairwise(renamed):
+        assert after.relationships[NodeRelationship.PREVIOUS].node_id == before.node_id
+        assert before.relationships[NodeRelationship.NEXT].node_id == after.node_id
+    assert all(n.ref_doc_id == doc_id for n in renamed)  # SOURCE still names the document
+    # The same document always gets the same ids: re-ingesting it overwrites its chunks.
+    again = ChunkIndexer(stable_ids=True)([n.model_copy(deep=True) for n in split(64, 0)])
+    assert [n.node_id for n in again] == [n.node_id for n in renamed]
+    assert stable_chunk_id("doc", 1) != stable_chunk_id("doc", 2) != stable_chunk_id("doc2", 2)

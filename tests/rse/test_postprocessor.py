@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import warnings
@@ -73,6 +74,63 @@ def test_qdrant_with_chunk_index_reads_only_gaps_in_one_call(indexed):
     assert 'The "while" statement' in best.get_content()
     # The segment is longer than any retrieved chunk: it joined chunks.
     assert len(best.metadata["segment_node_ids"]) > 1
+
+
+def test_stable_ids_read_the_gaps_by_id_with_the_same_result(indexed, corpus_nodes, minilm):
+    from corpus import qdrant_index
+
+    nodes = ChunkIndexer(stable_ids=True)([n.model_copy(deep=True) for n in corpus_nodes])
+    stable = qdrant_index(nodes, minilm, collection="stable")
+    expected = RelevantSegmentPostprocessor(vector_store=indexed.vector_store).postprocess_nodes(
+        indexed.as_retriever(similarity_top_k=10).retrieve(QUERY)
+    )
+    store = stable.vector_store
+    rse = RelevantSegmentPostprocessor(vector_store=store)
+    retrieved = stable.as_retriever(similarity_top_k=10).retrieve(QUERY)
+    # Qdrant local mode answers a filtered scroll by scanning every point: with stable ids the
+    # chunks between hits are read by id, and no scroll happens.
+    scrolls: list[object] = []
+    client = store.client
+    real_scroll = client.scroll
+    client.scroll = lambda *a, **k: scrolls.append(k) or real_scroll(*a, **k)
+    try:
+        extraction = rse.extract(retrieved)
+        result = rse.postprocess_nodes(retrieved, query_str=QUERY)
+    finally:
+        client.scroll = real_scroll
+    assert scrolls == [] and extraction.store_calls == 1 and not extraction.holes
+    assert [r.node.get_content() for r in result] == [e.node.get_content() for e in expected]
+    assert [r.node.metadata["segment_chunk_range"] for r in result] == [
+        e.node.metadata["segment_chunk_range"] for e in expected
+    ]
+    assert_exact_segments(result)
+
+
+def test_chunks_without_their_stable_id_are_read_by_index(doc_nodes):
+    from llama_index.vector_stores.qdrant import QdrantVectorStore
+    from qdrant_client import QdrantClient
+
+    from llama_index.packs.self_rag_rse.rse.chunk_index import stable_chunk_id
+
+    nodes = ChunkIndexer(stable_ids=True)(doc_nodes("doc", 6))
+    assert nodes[1].node_id == stable_chunk_id("doc", 1)
+    # The hits carry stable ids; the chunks between them were ingested another way.
+    for i in (2, 3):
+        nodes[i].node_id = f"00000000-0000-4000-8000-00000000000{i}"
+    for left, right in itertools.pairwise(nodes):
+        left.relationships[NodeRelationship.NEXT] = RelatedNodeInfo(node_id=right.node_id)
+        right.relationships[NodeRelationship.PREVIOUS] = RelatedNodeInfo(node_id=left.node_id)
+    for node in nodes:
+        node.embedding = [1.0, 0.0]
+    hits = [nodes[1], nodes[4]]
+    store = QdrantVectorStore(client=QdrantClient(location=":memory:"), collection_name="mixed")
+    store.add(nodes)
+    rse = RelevantSegmentPostprocessor(vector_store=store, calibration="raw")
+    extraction = rse.extract([NodeWithScore(node=n, score=0.9) for n in hits])
+    assert extraction.store_calls == 2 and not extraction.holes  # by id, then by index
+    (segment,) = rse.postprocess_nodes([NodeWithScore(node=n, score=0.9) for n in hits])
+    assert segment.node.metadata["segment_chunk_range"] == [1, 5]
+    assert segment.node.get_content() == "".join(n.text for n in nodes[1:5])
 
 
 def test_qdrant_without_chunk_index_orders_by_reading_documents(indexed, unindexed):

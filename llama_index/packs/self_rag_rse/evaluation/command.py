@@ -348,7 +348,7 @@ def build_index(documents: dict[str, str], embed: Any) -> Any:
     nodes = IngestionPipeline(
         transformations=[
             SentenceSplitter(chunk_size=CHUNK_SIZE, chunk_overlap=CHUNK_OVERLAP),
-            ChunkIndexer(),
+            ChunkIndexer(stable_ids=True),
             embed,
         ]
     ).run(documents=docs)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from llama_index.core.schema import BaseNode, NodeRelationship
 
+from llama_index.packs.self_rag_rse.rse.chunk_index import stable_chunk_id
 from llama_index.packs.self_rag_rse.rse.chunk_sources import ChunkRequest, ChunkSource, nodes_by_id
 from llama_index.packs.self_rag_rse.rse.stitching import find_breaks, suspect_offsets
 from llama_index.packs.self_rag_rse.rse.types import DocumentRegion, Hole, Segment
@@ -229,6 +230,8 @@ class DocumentLayout:
     - ``order``: where the order came from: ``"chunk_index"``, ``"docstore"``,
       ``"vector_store"`` or ``"links"``;
     - ``fetchable``: whether chunks not at hand can still be read from a store;
+    - ``stable_ids``: whether the hits carry :func:`~.chunk_index.stable_chunk_id` ids, so the
+      chunks between them can be read by id;
     - ``breaks``: position ``p`` -> why ``p`` and ``p + 1`` must not be joined;
     - ``unreadable``: positions a store was asked for and did not return;
     - ``suspect``: positions whose offsets the texts contradict (ignored when stitching);
@@ -241,6 +244,7 @@ class DocumentLayout:
     held: dict[int, BaseNode] = field(default_factory=dict)
     slots: list[str | None] | None = None
     fetchable: bool = False
+    stable_ids: bool = False
     breaks: dict[int, str] = field(default_factory=dict)
     unreadable: set[int] = field(default_factory=set)
     suspect: set[int] = field(default_factory=set)
@@ -359,8 +363,11 @@ def lay_out(
         indices = {n.node_id: chunk_index(n, index_key) for n in members}
         if all(i is not None for i in indices.values()):
             positions = {n: i for n, i in indices.items() if i is not None}
-            fetchable = source.supports("chunk_indices")
-            layouts[doc_id] = DocumentLayout(doc_id, positions, "chunk_index", fetchable=fetchable)
+            stable = all(n == stable_chunk_id(doc_id, i) for n, i in positions.items())
+            fetchable = source.supports("chunk_indices") or (stable and source.can_read)
+            layouts[doc_id] = DocumentLayout(
+                doc_id, positions, "chunk_index", fetchable=fetchable, stable_ids=stable
+            )
     if source.supports("ref_doc_ids"):
         # Asked for indexed documents too: the docstore then serves their gap reads by id.
         answer: dict[str, list[str]] = yield ChunkRequest("ref_doc_ids", doc_ids=list(docs))
@@ -411,20 +418,34 @@ def missing_positions(
 
 
 def read_missing(
-    missing: Mapping[str, set[int]], layouts: Mapping[str, DocumentLayout]
+    missing: Mapping[str, set[int]],
+    layouts: Mapping[str, DocumentLayout],
+    by_index_ok: bool = True,
 ) -> Generator[ChunkRequest, Any, list[BaseNode]]:
-    """Read the ``missing`` chunks: by id where a store listed the document, else by index."""
+    """Read the ``missing`` chunks: by id where a store listed the document or the chunks have
+    stable ids, else by index (also for chunks not found under their stable id, when
+    ``by_index_ok``: the source can read by index)."""
     by_id: list[str] = []
     by_index: dict[str, list[int]] = {}
+    stable: dict[str, dict[str, int]] = {}  # document -> stable id -> position
     for doc_id, positions in missing.items():
-        slots = layouts[doc_id].slots
-        if slots is None:
-            by_index[doc_id] = sorted(positions)
+        layout = layouts[doc_id]
+        if layout.slots is not None:
+            by_id.extend(node_id for p in sorted(positions) if (node_id := layout.slots[p]))
+        elif layout.stable_ids:
+            stable[doc_id] = {stable_chunk_id(doc_id, p): p for p in sorted(positions)}
+            by_id.extend(stable[doc_id])
         else:
-            by_id.extend(node_id for p in sorted(positions) if (node_id := slots[p]))
+            by_index[doc_id] = sorted(positions)
     read: list[BaseNode] = []
     if by_id:
         read.extend((yield ChunkRequest("node_ids", node_ids=by_id)))
+    found = {node.node_id for node in read if node is not None}
+    for doc_id, ids in stable.items():
+        # A chunk ingested without a stable id (another pipeline) is still found by its index.
+        rest = [p for node_id, p in ids.items() if node_id not in found]
+        if rest and by_index_ok:
+            by_index[doc_id] = rest
     if by_index:
         read.extend((yield ChunkRequest("chunk_indices", indices=by_index)))
     return read

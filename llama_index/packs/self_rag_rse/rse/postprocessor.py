@@ -321,7 +321,9 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
             missing = missing_positions(segments, layouts)
             if missing and rounds < MAX_READ_ROUNDS:
                 rounds += 1
-                read = yield from read_missing(missing, layouts)
+                read = yield from read_missing(
+                    missing, layouts, by_index_ok=source.supports("chunk_indices")
+                )
                 place_read(read, missing, layouts, self.chunk_index_key)
             elif missing:
                 for doc_id in missing:  # out of rounds: join only chunks already at hand

@@ -11,6 +11,8 @@ import warnings
 import numpy as np
 import pytest
 from corpus import CORPUS, corpus_documents
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from llama_index.core import VectorStoreIndex
 from llama_index.core.llms import MockLLM
 from llama_index.core.query_engine import RetrieverQueryEngine
@@ -291,6 +293,16 @@ def test_none_and_negative_scores(doc_nodes, docstore_with):
     with pytest.warns(UserWarning, match="no score"):
         values = rse.extract(infinite).values
     assert sorted(values)[-2] > 0.5  # 0.9 keeps most of its relevance next to the infinity
+
+
+def test_an_infinite_relevance_is_an_error_naming_the_calibration(doc_nodes):
+    nodes = doc_nodes("doc", 3)
+    hits = [NodeWithScore(node=nodes[0], score=math.inf), NodeWithScore(node=nodes[2], score=0.4)]
+    with pytest.raises(ValueError, match=r"calibration 'raw' left an infinite relevance"):
+        RelevantSegmentPostprocessor(calibration="raw").postprocess_nodes(hits)
+    # Calibrations that clip take it: the infinite score is fully relevant.
+    (segment, *_) = RelevantSegmentPostprocessor().postprocess_nodes(hits)
+    assert segment.node.get_content() == nodes[0].text
 
 
 def test_nan_score_is_an_error(doc_nodes):
@@ -606,3 +618,42 @@ def test_nothing_worth_minimum_value_is_explained(doc_nodes, docstore_with, capl
     assert negative.note is not None and "irrelevant_chunk_penalty 0.18" in negative.note
     assert rse.extract(hits_on(nodes, 1, 2, 3)).note is None  # segments found: nothing to say
     assert rse.extract([]).note is None
+
+
+# -- any text, any splitter setting: segments are the source text ----------------------------
+
+_WORDS = ["alpha", "beta", "end.", "x", "while", "Über", "日本語", "\t", "  "]
+_SEPARATORS = [" ", " ", "\n", "\n\n", "  ", ". "]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    words=st.lists(
+        st.tuples(st.sampled_from(_WORDS), st.sampled_from(_SEPARATORS)), min_size=3, max_size=150
+    ),
+    chunk_size=st.sampled_from([16, 24, 40]),
+    overlap=st.sampled_from([0, 2, 5]),
+    stable=st.booleans(),
+    picks=st.lists(st.tuples(st.integers(0, 10**6), st.floats(-0.3, 1.0)), max_size=12),
+)
+def test_segments_are_the_source_text_for_any_text(words, chunk_size, overlap, stable, picks):
+    from llama_index.core import Document
+    from llama_index.core.node_parser import SentenceSplitter
+    from llama_index.core.storage.docstore import SimpleDocumentStore
+
+    text = "".join(w + sep for w, sep in words)
+    splitter = SentenceSplitter(chunk_size=chunk_size, chunk_overlap=overlap)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "metadata length close to chunk size"
+        nodes = splitter.get_nodes_from_documents([Document(text=text, id_="doc")])
+    ChunkIndexer(stable_ids=stable)(nodes)
+    docstore = SimpleDocumentStore()
+    docstore.add_documents(nodes)
+    hits = {nodes[i % len(nodes)].node_id: (nodes[i % len(nodes)], s) for i, s in picks}
+    scored = [NodeWithScore(node=n, score=s) for n, s in hits.values()]
+    rse = RelevantSegmentPostprocessor(docstore=docstore, calibration="raw")
+    for item in rse.postprocess_nodes(scored):
+        char_range = item.node.metadata["segment_char_range"]
+        if char_range is not None:
+            start, end = char_range
+            assert same_but_whitespace(item.node.get_content(), text[start:end])

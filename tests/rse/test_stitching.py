@@ -115,9 +115,29 @@ def test_without_offsets_overlap_is_found_by_text():
     assert short[0].gaps == 1 and short[0].start_char is None
 
 
-def test_chunk_inside_the_previous_one_adds_nothing():
-    (piece,) = stitch_chunks(["abcdefghij", "cdef", "ijkl"], [(0, 10), (2, 6), (8, 12)])
-    assert piece.text == "abcdefghijkl" and (piece.start_char, piece.end_char) == (0, 12)
+def test_chunk_inside_the_previous_one_is_kept_apart_not_dropped():
+    # A splitter never emits a chunk with no new text: "cdef" placed inside the previous chunk
+    # was put at an earlier copy of its text, and its real place is unknown. Dropping it as
+    # "already covered" would lose that later copy, so it stands as its own piece.
+    pieces = stitch_chunks(["abcdefghij", "cdef", "ijkl"], [(0, 10), (2, 6), (8, 12)])
+    assert [p.text for p in pieces] == ["abcdefghij", "cdef", "ijkl"]
+    assert [p.start_char for p in pieces[:2]] == [None, None]  # no range claimed for them
+
+
+def test_repeated_text_placed_at_an_earlier_copy_loses_nothing():
+    # Offsets as LlamaIndex's SentenceSplitter computed them for this text (seen in a fuzz
+    # run): the chunk "end." was placed at the first "end." (66-70), not the second (71-75),
+    # and linked to the next chunk across a 7-character "gap" that holds that second copy.
+    text = "alpha gamma beta\nend.\nend.  x. beta alpha"
+    first = text.index("end.")
+    second = text.index("end.", first + 1)
+    start = text.index("x.")
+    texts = [text[: first + 4], "end.", text[start:]]
+    spans = [(0, first + 4), (first, first + 4), (start, len(text))]
+    assert start - (first + 4) == 7 and second > first
+    pieces = stitch_chunks(texts, spans, [False, True, True])
+    joined = "".join(p.text for p in pieces)
+    assert joined.count("end.") >= 2  # the second copy is not refilled as whitespace
 
 
 def test_distrusted_offsets_are_ignored():

@@ -381,6 +381,12 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
                 "the calibration turned node scores into NaN: make it return a number in [0, 1] "
                 "for every score"
             )
+        if np.isinf(relevance).any():
+            raise ValueError(
+                f"calibration {self._calibration_name()} left an infinite relevance (a node "
+                "scored +-inf): RSE needs finite values; use a calibration that clips, such as "
+                "'cosine_adaptive' (the default) or 'cohere', or give the nodes finite scores"
+            )
         ranks = np.arange(len(unique), dtype=float)
         values = chunk_value(
             ranks, relevance, self._param("decay_rate"), self._param("irrelevant_chunk_penalty")
@@ -396,6 +402,10 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
                 hits.append(_Hit(item, rank, float(value)))
         self._unplaceable(passthrough, "have no source document (no SOURCE relationship)")
         return hits, passthrough
+
+    def _calibration_name(self) -> str:
+        method = self.calibration
+        return repr(method) if isinstance(method, str) else getattr(method, "__name__", "callable")
 
     def _relevance(self, scores: Any) -> np.ndarray:
         return calibrate(self.calibration, scores, self.cosine_range)

@@ -108,20 +108,25 @@ def suspect_offsets(texts: Sequence[str], spans: Sequence[Span]) -> list[bool]:
     """Which chunks' offsets the texts contradict, judged from each pair of neighbours.
 
     Where two neighbours' offsets claim an overlap, the next chunk must start with the end of
-    the previous one; where it does not, or the next chunk starts before the previous one, both
-    are suspect (which one is wrong cannot be told). A gap is no evidence here: text repeated
+    the previous one; where it does not, or the next chunk starts before the previous one or
+    ends inside it (no new text: splitters find a chunk's offset by searching its text, and
+    repeated text can place it at an earlier copy), both are suspect (which one is wrong cannot
+    be told). A gap is no evidence here: text repeated
     across a cut is legitimate; only the gap's width can be judged, which :func:`stitch_chunks`
     does.
     """
     suspect = [False] * len(texts)
     for i in range(1, len(texts)):
-        (start_a, end_a), (start_b, _) = spans[i - 1], spans[i]
+        (start_a, end_a), (start_b, end_b) = spans[i - 1], spans[i]
         if not (_usable(texts[i - 1], spans[i - 1]) and _usable(texts[i], spans[i])):
             continue
         assert start_a is not None and end_a is not None and start_b is not None
+        assert end_b is not None
         left, right = texts[i - 1], texts[i]
         shift = end_a - start_b
-        if start_b < start_a:
+        if start_b < start_a or end_b <= end_a:
+            # A splitter's next chunk always brings new text: one that ends inside the previous
+            # one was placed at an earlier copy of its text (offsets come from a text search).
             agrees = False
         elif shift > 0:
             covered = min(shift, len(right))

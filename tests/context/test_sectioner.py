@@ -237,3 +237,19 @@ def test_fallback_windows_do_not_cut_sections_at_window_boundaries(
     assert len(garbage.prompts) > 2  # several windows, all rejected
     headings = DocumentSectioner(splitter=None)([doc])
     assert [n.text for n in nodes] == [n.text for n in headings]
+
+
+def test_repeated_text_gets_the_offsets_of_its_own_copy():
+    # SentenceSplitter finds offsets by searching a chunk's text: here it places the last chunk,
+    # "end. end.", at the first "end. end." and leaves the last "end." in no chunk's range.
+    text = (
+        "ha #    end. alpha \t 日本語 x -- x beta Über\nx # alpha    -- Über\n==\n"
+        "beta end. end. end.   \n"
+    )
+    splitter = SentenceSplitter(chunk_size=32, chunk_overlap=4)
+    nodes = DocumentSectioner(splitter=splitter)([Document(text=text, id_="doc")])
+    covered = [False] * len(text)
+    for node in nodes:
+        assert text[node.start_char_idx : node.end_char_idx] == node.text
+        covered[node.start_char_idx : node.end_char_idx] = [True] * len(node.text)
+    assert all(c or ch.isspace() for ch, c in zip(text, covered, strict=True))

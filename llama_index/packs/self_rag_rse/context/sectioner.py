@@ -14,6 +14,7 @@ into a header.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -335,6 +336,7 @@ class DocumentSectioner(TransformComponent):
         else:
             chunks = list(self.splitter(pieces, show_progress=show_progress))
             link = bool(getattr(self.splitter, "include_prev_next_rel", True))
+            _repair_offsets(chunks, {piece.node_id: piece.text for piece in pieces})
         by_document: dict[str, list[BaseNode]] = {}
         for chunk in chunks:
             source_id = chunk.ref_doc_id
@@ -368,6 +370,40 @@ class DocumentSectioner(TransformComponent):
         chunk.metadata.update(_section_metadata(section, k, plan))
         chunk.excluded_embed_metadata_keys = _hide(chunk.excluded_embed_metadata_keys)
         chunk.excluded_llm_metadata_keys = _hide(chunk.excluded_llm_metadata_keys)
+
+
+_NON_SPACE = re.compile(r"\S")
+
+
+def _repair_offsets(chunks: Sequence[BaseNode], texts: dict[str, str]) -> None:
+    """Put each chunk at the copy of its text that continues the chunks before it.
+
+    LlamaIndex splitters find a chunk's offsets by searching its text, so text repeated within
+    a few chunks ("end. end.", a line of "~~~~") can place a chunk at an earlier copy, or leave
+    it without offsets, while the copy it really holds is covered by no chunk. A splitter covers
+    every character that is not whitespace, in order: each chunk holds the first character the
+    chunks before it left out. So each chunk goes to the copy of its text that holds that
+    character and reaches furthest; with no repeated text that is the splitter's own offset. A
+    chunk no copy of which holds it (a token splitter's chunk repeating the previous one's tail,
+    say) keeps the offsets the splitter gave it.
+    """
+    by_piece: dict[str, list[TextNode]] = {}
+    for chunk in chunks:
+        if isinstance(chunk, TextNode) and chunk.ref_doc_id in texts:
+            by_piece.setdefault(chunk.ref_doc_id, []).append(chunk)
+    for piece, members in by_piece.items():
+        text = texts[piece]
+        covered = 0  # the chunks placed so far hold all text before this position
+        for chunk in members:
+            left_out = _NON_SPACE.search(text, covered)  # the first character left out
+            size = len(chunk.text)
+            if left_out is not None and size:
+                first = left_out.start()
+                found = text.rfind(chunk.text, max(0, first - size + 1), first + size)
+                if found >= 0:
+                    chunk.start_char_idx, chunk.end_char_idx = found, found + size
+            if chunk.end_char_idx is not None:
+                covered = max(covered, chunk.end_char_idx)
 
 
 def _structural_starts(structural: list[Section], first: int, last: int) -> list[SectionStart]:

@@ -109,11 +109,9 @@ def suspect_offsets(texts: Sequence[str], spans: Sequence[Span]) -> list[bool]:
 
     Where two neighbours' offsets claim an overlap, the next chunk must start with the end of
     the previous one; where it does not, or the next chunk starts before the previous one or
-    ends inside it (no new text: splitters find a chunk's offset by searching its text, and
-    repeated text can place it at an earlier copy), both are suspect (which one is wrong cannot
-    be told). A gap is no evidence here: text repeated
-    across a cut is legitimate; only the gap's width can be judged, which :func:`stitch_chunks`
-    does.
+    ends inside it, both are suspect (which one is wrong cannot be told). A gap is no evidence
+    here: text repeated across a cut is legitimate; only the gap's width can be judged, which
+    :func:`stitch_chunks` does.
     """
     suspect = [False] * len(texts)
     for i in range(1, len(texts)):
@@ -125,8 +123,10 @@ def suspect_offsets(texts: Sequence[str], spans: Sequence[Span]) -> list[bool]:
         left, right = texts[i - 1], texts[i]
         shift = end_a - start_b
         if start_b < start_a or end_b <= end_a:
-            # A splitter's next chunk always brings new text: one that ends inside the previous
-            # one was placed at an earlier copy of its text (offsets come from a text search).
+            # Splitters place a chunk by searching its text, so one that ends inside the previous
+            # one may sit at an earlier copy of repeated text while its real copy is in no range.
+            # Distrusted, it stands apart: a chunk that truly repeats the previous one's tail (a
+            # token splitter's overlap) is then shown twice, and no real copy is ever dropped.
             agrees = False
         elif shift > 0:
             covered = min(shift, len(right))

@@ -2,57 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import threading
 from collections.abc import Callable
-from typing import Any
 
 import pytest
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
-from llama_index.core.llms import CompletionResponse, CustomLLM, LLMMetadata
-
-
-class ScriptedLLM(CustomLLM):
-    """Answers every prompt with ``script(prompt)``; records prompts and peak concurrency.
-
-    Not a function-calling model, so structured output goes through LlamaIndex's JSON parsing
-    path, as with most local models.
-    """
-
-    script: Any
-    name: str = "scripted"
-    delay: float = 0.0
-    prompts: list[str] = Field(default_factory=list)
-    max_active: int = 0
-    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
-    _active: int = PrivateAttr(default=0)
-
-    @property
-    def metadata(self) -> LLMMetadata:
-        return LLMMetadata(model_name=self.name, is_chat_model=False)
-
-    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        with self._lock:
-            self.prompts.append(prompt)
-        return CompletionResponse(text=self.script(prompt))
-
-    async def acomplete(
-        self, prompt: str, formatted: bool = False, **kwargs: Any
-    ) -> CompletionResponse:
-        with self._lock:
-            self._active += 1
-            self.max_active = max(self.max_active, self._active)
-        try:
-            await asyncio.sleep(self.delay)
-            return self.complete(prompt)
-        finally:
-            with self._lock:
-                self._active -= 1
-
-    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
-        raise NotImplementedError
+from scripted import ScriptedLLM
 
 
 def window_of(prompt: str) -> tuple[int, int]:
@@ -98,7 +53,7 @@ def heading_partition() -> Callable[[str], str]:
 @pytest.fixture
 def scripted() -> Callable[..., ScriptedLLM]:
     """``scripted(script, name="scripted", delay=0.0)``: a :class:`ScriptedLLM`."""
-    return lambda script, **kwargs: ScriptedLLM(script=script, **kwargs)
+    return lambda script, name="scripted", **kwargs: ScriptedLLM(script, model=name, **kwargs)
 
 
 #: A Markdown document with nested headings, a fenced block and a numbered list.

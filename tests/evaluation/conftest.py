@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -16,44 +15,13 @@ import pytest
 from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.base.response.schema import Response
 from llama_index.core.bridge.pydantic import Field
-from llama_index.core.llms import CompletionResponse, CustomLLM, LLMMetadata
-from llama_index.core.llms.callbacks import llm_completion_callback
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import NodeWithScore, TextNode
+from scripted import ScriptedLLM
 
 # ------------------------------------------------------------------------------------------------
 # A judge LLM whose replies follow known rules.
 # ------------------------------------------------------------------------------------------------
-
-
-class ScriptedLLM(CustomLLM):
-    """Replies ``reply(prompt)``; records every prompt; ``reply`` may raise to fail a call."""
-
-    reply: Any = None
-    model: str = "scripted"
-
-    def __init__(self, reply: Callable[[str], str], model: str = "scripted") -> None:
-        super().__init__(reply=reply, model=model)
-        self._prompts: list[str] = []
-        self._lock = threading.Lock()
-
-    @property
-    def prompts(self) -> list[str]:
-        return self._prompts
-
-    @property
-    def metadata(self) -> LLMMetadata:
-        return LLMMetadata(model_name=self.model)
-
-    @llm_completion_callback()
-    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        with self._lock:
-            self._prompts.append(prompt)
-        return CompletionResponse(text=self.reply(prompt))
-
-    @llm_completion_callback()
-    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> Any:
-        raise NotImplementedError
 
 
 def sentences(text: str) -> list[str]:

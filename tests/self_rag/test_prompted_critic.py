@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -22,14 +21,11 @@ from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
     CompletionResponse,
-    CompletionResponseGen,
-    LLMMetadata,
     LogProb,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
-from llama_index.core.llms import CustomLLM
 from llama_index.core.prompts import PromptTemplate
+from scripted import ScriptedLLM
 
 from llama_index.packs.self_rag_rse.llamacpp.context import DecodeStats
 from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
@@ -65,54 +61,8 @@ def _paragraph(prompt: str) -> str:
     return prompt.split("Paragraph:\n", 1)[1].split("\n\n", 1)[0]
 
 
-class ScriptedLLM(CustomLLM):
-    """Answers from ``script(kind, paragraph, prompt)``; counts concurrent async calls."""
-
-    script: Any
-    delay: float = 0.0
-    chat_model: bool = False
-    max_active: int = 0
-    prompts: list[str] = Field(default_factory=list)
-    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
-    _active: int = PrivateAttr(default=0)
-
-    @property
-    def metadata(self) -> LLMMetadata:
-        return LLMMetadata(model_name="scripted", is_chat_model=self.chat_model)
-
-    def _reply(self, prompt: str) -> CompletionResponse:
-        with self._lock:
-            self.prompts.append(prompt)
-        reply: Reply = self.script(_kind(prompt), _paragraph(prompt), prompt)
-        if isinstance(reply, Exception):
-            raise reply
-        if isinstance(reply, CompletionResponse):
-            return reply
-        return CompletionResponse(text=reply)
-
-    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        with self._lock:
-            self._active += 1
-            self.max_active = max(self.max_active, self._active)
-        try:
-            time.sleep(self.delay)
-            return self._reply(prompt)
-        finally:
-            with self._lock:
-                self._active -= 1
-
-    async def acomplete(
-        self, prompt: str, formatted: bool = False, **kwargs: Any
-    ) -> CompletionResponse:
-        with self._lock:
-            self._active += 1
-            self.max_active = max(self.max_active, self._active)
-        try:
-            await asyncio.sleep(self.delay)
-            return self._reply(prompt)
-        finally:
-            with self._lock:
-                self._active -= 1
+class JudgeLLM(ScriptedLLM):
+    """A :class:`ScriptedLLM` that also chats (the last user message, answered with log-probs)."""
 
     async def achat(self, messages: Any, **kwargs: Any) -> ChatResponse:
         assert messages[-1].role == MessageRole.USER
@@ -121,11 +71,6 @@ class ScriptedLLM(CustomLLM):
             message=ChatMessage(role=MessageRole.ASSISTANT, content=response.text),
             logprobs=response.logprobs,
         )
-
-    def stream_complete(
-        self, prompt: str, formatted: bool = False, **kwargs: Any
-    ) -> CompletionResponseGen:
-        raise NotImplementedError
 
 
 def _scripted(table: dict[tuple[str, str], Reply], default: Reply = "Yes", **kw: Any) -> Any:
@@ -136,7 +81,7 @@ def _scripted(table: dict[tuple[str, str], Reply], default: Reply = "Yes", **kw:
             return table.get((kind, ""), "An answer without evidence.")
         return table.get((kind, paragraph), table.get((kind, ""), default))
 
-    return ScriptedLLM(script=script, **kw)
+    return JudgeLLM(lambda prompt: script(_kind(prompt), _paragraph(prompt), prompt), **kw)
 
 
 def test_prompted_critic_is_a_critic() -> None:
@@ -161,17 +106,17 @@ def test_judge_parses_edge_cases_and_isolates_failures() -> None:
         }
     )
     llm_utility = {"Answer from P1.": "9", "Answer from P3.": '{"score": 1}'}
-    original = llm.script
+    original = llm.reply
 
-    def script(kind: str, paragraph: str, prompt: str) -> Reply:
-        if kind == "utility":
-            for answer, reply in llm_utility.items():
+    def reply(prompt: str) -> Reply:
+        if _kind(prompt) == "utility":
+            for answer, utility in llm_utility.items():
                 if answer in prompt:
-                    return reply
-        result: Reply = original(kind, paragraph, prompt)
+                    return utility
+        result: Reply = original(prompt)
         return result
 
-    llm.script = script
+    llm.reply = reply
     critic = PromptedCritic(llm, num_workers=4)
     judgements = critic.judge("Question?", ["P0", "P1", "P2", "P3"])
     assert [j.answer for j in judgements] == [

@@ -7,8 +7,9 @@ that needs them is used. Internals stay importable from their modules.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from llama_index.packs.self_rag_rse.common.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from llama_index.packs.self_rag_rse.context.headers import ContextualHeaders
@@ -56,14 +57,4 @@ _EXPORTS = {
 __all__ = ["CHUNK_INDEX_KEY", "PRESETS", "ChunkIndexer", "ContextualHeaders", "Critic", "CriticBackend", "DocumentSectioner", "ParagraphJudgement", "PromptedCritic", "ReflectionCritic", "RelevantSegmentPostprocessor", "RetrievalDecision", "SelfRAGPack", "SelfRAGQueryEngine", "ServedReflectionCritic", "download_llama_pack", "find_best_segments", "get_preset", "plot_segments"]  # fmt: skip  # noqa: E501
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

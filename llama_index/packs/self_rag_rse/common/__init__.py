@@ -1,1 +1,2 @@
-"""Helpers shared by both components: options checking, optional imports, the sync/async bridge."""
+"""Helpers shared by both components: options checking, optional imports, lazy public names,
+the sync/async bridge."""

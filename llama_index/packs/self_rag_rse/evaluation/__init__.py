@@ -20,8 +20,9 @@ Layers, bottom-up: :mod:`.evidence` and :mod:`.result` (pure), :mod:`.questions`
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from llama_index.packs.self_rag_rse.common.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from llama_index.packs.self_rag_rse.evaluation.engines import default_engines
@@ -55,14 +56,4 @@ _EXPORTS = {
 __all__ = ["EvaluationResult", "Judge", "JudgementError", "LlamaIndexJudge", "Question", "RagasJudge", "Record", "Sample", "aevaluate", "default_engines", "evaluate", "load_questions", "make_judge"]  # fmt: skip  # noqa: E501
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

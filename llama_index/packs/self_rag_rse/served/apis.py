@@ -18,9 +18,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from llama_index.packs.self_rag_rse.self_rag.reflection import SELF_RAG_SPECIAL_TOKENS
 from llama_index.packs.self_rag_rse.served.http import JSONClient, MalformedResponse, ServerError
@@ -44,6 +44,20 @@ _SEPARATOR = -1
 #: Logit bias that lifts a reflection group above every other token for an exact follow-up
 #: (logits of real models span a few dozen nats; float32 keeps ~1e-5 precision at 200).
 _GROUP_BIAS = 200.0
+
+T = TypeVar("T")
+
+
+async def _post(
+    client: JSONClient, path: str, body: Mapping[str, Any], parse: Callable[[Any], T]
+) -> T:
+    """POST ``body`` to ``path`` and ``parse`` the answer; an unexpected body names the URL."""
+    answer = await client.post(path, body)
+    try:
+        return parse(answer)
+    except MalformedBody as exc:
+        url = client.url(path)
+        raise MalformedResponse(f"{url} answered an unexpected body: {exc}", url) from exc
 
 
 class ReflectionTokensUnidentifiable(ValueError):
@@ -274,15 +288,8 @@ class LlamaCppAPI:
         }
 
     async def complete(self, prompt: Any, max_new_tokens: int, top_n: int) -> Completion:
-        body = await self.client.post("/completion", self._body(prompt, max_new_tokens, top_n))
-        return self._parse(body)
-
-    def _parse(self, body: Any) -> Completion:
-        try:
-            return parse_native(body)
-        except MalformedBody as exc:
-            url = self.client.url("/completion")
-            raise MalformedResponse(f"{url} answered an unexpected body: {exc}", url) from exc
+        body = self._body(prompt, max_new_tokens, top_n)
+        return await _post(self.client, "/completion", body, parse_native)
 
     async def refetch(
         self, info: ServerInfo, prompt: Any, generated: Sequence[str], top_n: int | None
@@ -300,7 +307,7 @@ class LlamaCppAPI:
         ids = [key_id(k) for k in generated]
         body = self._body(list(prompt) + [int(i) for i in ids if i is not None], 1, n)
         body["logit_bias"] = [[force, 1000.0]]
-        completion = self._parse(await self.client.post("/completion", body))
+        completion = await _post(self.client, "/completion", body, parse_native)
         if not completion.positions or not completion.positions[0].reported:
             url = self.client.url("/completion")
             raise MalformedResponse(f"{url} reported no log-probs for a forced token", url)
@@ -327,12 +334,7 @@ class LlamaCppAPI:
                 "seed": 0,
             }
         )
-        raw = await self.client.post("/completion", body)
-        try:
-            found = parse_native_post_sampling(raw)
-        except MalformedBody as exc:
-            url = self.client.url("/completion")
-            raise MalformedResponse(f"{url} answered an unexpected body: {exc}", url) from exc
+        found = await _post(self.client, "/completion", body, parse_native_post_sampling)
         if not any(m in found for m in members) or any(k not in members for k in found):
             return None  # another token outranked a biased one: fetch the whole vocabulary
         return {m: found.get(m, float("-inf")) for m in members}
@@ -450,12 +452,8 @@ class OpenAIAPI:
         return [head + _clean_user_text(p) + closing for p in layout.paragraphs]
 
     async def complete(self, prompt: Any, max_new_tokens: int, top_n: int) -> Completion:
-        body = await self.client.post("/completions", self._body(prompt, max_new_tokens, top_n))
-        try:
-            return parse_openai(body)
-        except MalformedBody as exc:
-            url = self.client.url("/completions")
-            raise MalformedResponse(f"{url} answered an unexpected body: {exc}", url) from exc
+        body = self._body(prompt, max_new_tokens, top_n)
+        return await _post(self.client, "/completions", body, parse_openai)
 
     async def refetch(
         self, info: ServerInfo, prompt: Any, generated: Sequence[str], top_n: int | None

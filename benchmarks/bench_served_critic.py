@@ -130,7 +130,7 @@ def main() -> None:
     from bench_critic import build_model, paragraphs
 
     from llama_index.packs.self_rag_rse.common.bridge import run_sync
-    from llama_index.packs.self_rag_rse.self_rag.reflection_critic import ReflectionCritic
+    from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
     from llama_index.packs.self_rag_rse.served import ServedReflectionCritic
 
     OUT.mkdir(parents=True, exist_ok=True)

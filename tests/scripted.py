@@ -1,4 +1,4 @@
-"""A LlamaIndex LLM double whose replies follow a script, shared by the test packages.
+"""Doubles whose replies follow a script, shared by the test packages: an LLM and a critic base.
 
 ``ScriptedLLM(reply)`` answers every completion with ``reply(prompt)``: a string, a
 ``CompletionResponse`` (to carry log-probs), or an exception, which is raised to fail that call.
@@ -12,13 +12,19 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms import CompletionResponse, CustomLLM, LLMMetadata
 from llama_index.core.llms.callbacks import llm_completion_callback
+
+from llama_index.packs.self_rag_rse.self_rag.contract import (
+    BaseCritic,
+    ParagraphJudgement,
+    RetrievalDecision,
+)
 
 
 class ScriptedLLM(CustomLLM):
@@ -77,3 +83,19 @@ class ScriptedLLM(CustomLLM):
         finally:
             with self._lock:
                 self._active -= 1
+
+
+class BlockingCritic(BaseCritic):
+    """A test critic written with blocking ``decide_retrieval``, ``judge`` and ``generate``
+    (subclasses define them); the async methods call them."""
+
+    async def adecide_retrieval(
+        self, query: str, threshold: float | None, answer_if_skipped: bool = True
+    ) -> RetrievalDecision:
+        return self.decide_retrieval(query, threshold, answer_if_skipped)
+
+    async def ajudge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
+        return self.judge(query, paragraphs)
+
+    async def agenerate(self, query: str) -> str:
+        return self.generate(query)

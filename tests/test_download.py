@@ -251,6 +251,69 @@ def test_cli_reports_a_used_folder_and_exits_1(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["data.csv"]
 
 
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()
+    }
+
+
+@pytest.mark.parametrize(
+    "link",
+    ["llama_index", "llama_index/packs", f"{PACKAGE_PATH.as_posix()}/rse", "README.md"],
+)
+@pytest.mark.parametrize("mode", ["overwrite", "refresh", "use-existing"])
+def test_symlinks_inside_the_folder_are_refused_before_anything_is_written(tmp_path, link, mode):
+    source = find_source()
+    # A copy that lives elsewhere, reached through a link inside the download folder.
+    elsewhere = tmp_path / "elsewhere"
+    copy_pack(source, elsewhere)
+    dest = tmp_path / "pack"
+    copy_pack(source, dest)
+    target = dest / link
+    if target.is_dir():
+        shutil.rmtree(target)
+    else:
+        target.unlink()
+    target.symlink_to(elsewhere / link)
+    (elsewhere / "README.md").write_text("someone else's file")
+    before_elsewhere, before_dest = _tree(elsewhere), _tree(dest)
+    options = {
+        "overwrite": {"overwrite": True},
+        "refresh": {},
+        "use-existing": {"refresh_cache": False},
+    }[mode]
+    with pytest.raises(ValueError, match=rf"symbolic link.*{link}.*elsewhere.*nothing was written"):
+        copy_pack(source, dest, **options)
+    assert _tree(elsewhere) == before_elsewhere and _tree(dest) == before_dest
+
+
+def test_cli_refuses_a_symlinked_package_folder_and_writes_nothing(
+    tmp_path, capsys, restore_imports
+):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    dest = tmp_path / "pack"
+    dest.mkdir()
+    (dest / "llama_index").symlink_to(elsewhere)
+    status = main(
+        ["download-llamapack", "ChunkIndexer", "-d", str(dest), "--overwrite", "--no-install"]
+    )
+    err = capsys.readouterr().err
+    assert status == 1
+    assert "symbolic link" in err and str(dest / "llama_index") in err
+    assert "not from the copy" not in err
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_download_folder_that_is_itself_a_link_is_fine(tmp_path, restore_imports):
+    real = tmp_path / "real"
+    real.mkdir()
+    dest = tmp_path / "link"
+    dest.symlink_to(real, target_is_directory=True)
+    cls = download_llama_pack("ChunkIndexer", str(dest), install_requirements=False)
+    assert Path(inspect.getfile(cls)).resolve().is_relative_to(real)
+
+
 def _unwritable(tmp_path: Path) -> Path:
     if os.geteuid() != 0:
         read_only = tmp_path / "read-only"
@@ -403,3 +466,12 @@ def test_help_explains_the_legacy_cli(capsys):
 def test_list_prints_the_accepted_names(capsys):
     assert main(["list"]) == 0
     assert capsys.readouterr().out.split() == download.public_names()
+
+
+def test_a_damaged_pyproject_is_named(tmp_path):
+    checkout = tmp_path / "checkout"
+    (checkout / PACKAGE_PATH).mkdir(parents=True)
+    (checkout / PACKAGE_PATH / "__init__.py").write_text("")
+    (checkout / "pyproject.toml").write_text('[project]\nname = "llama-index-packs-self')
+    with pytest.raises(ValueError, match=rf"{checkout / 'pyproject.toml'} is not valid TOML"):
+        find_source(checkout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -29,3 +30,61 @@ def test_keys_and_coercion() -> None:
     with pytest.raises(TypeError, match="cache must be"):
         ContextCache.coerce(42)
     assert model_id(object()) == "object:"
+
+
+DAMAGED = {
+    "truncated": b'{"self_rag_rse_context/sections": {"ab": {"starts": [[0, "A"',
+    "empty": b"",
+    "not utf-8": b"\xff\xfe{\x00",
+    "a list": b"[1, 2]",
+    "a collection that is no object": b'{"self_rag_rse_context/sections": 3}',
+    "an entry that is no object": b'{"self_rag_rse_context/sections": {"ab": "x"}}',
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED)
+async def test_a_damaged_cache_file_is_named_and_replaced(
+    tmp_path: Any, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "c" / CACHE_FILE_NAME
+    path.parent.mkdir()
+    path.write_bytes(DAMAGED[damage])
+    with caplog.at_level(logging.WARNING):
+        cache = ContextCache.coerce(str(tmp_path / "c"))
+    assert any(str(path) in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    key = ContextCache.key("sections", "text")
+    assert await cache.aget("sections", key) is None  # started empty
+    await cache.aput("sections", key, {"starts": [[0, "A"]]})
+    cache.persist()
+    assert await ContextCache.from_dir(tmp_path / "c").aget("sections", key) == {
+        "starts": [[0, "A"]]
+    }
+
+
+def test_components_start_on_a_damaged_cache_folder(tmp_path: Any) -> None:
+    from llama_index.packs.self_rag_rse.context.sectioner import DocumentSectioner
+
+    (tmp_path / CACHE_FILE_NAME).write_text('{"self_rag_rse_context/sec')
+    DocumentSectioner(strategy="headings", cache=str(tmp_path))  # no JSONDecodeError
+
+
+async def test_a_write_cut_short_leaves_the_previous_cache_whole(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = ContextCache.from_dir(tmp_path)
+    old = ContextCache.key("old")
+    await cache.aput("titles", old, {"title": "kept"})
+    cache.persist()
+    await cache.aput("titles", ContextCache.key("new"), {"title": "lost in the crash"})
+
+    def crash(self: SimpleKVStore, persist_path: str, fs: Any = None) -> None:
+        with open(persist_path, "w", encoding="utf-8") as out:
+            out.write('{"self_rag_rse_context/titles": {"')  # half a file, then the crash
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SimpleKVStore, "persist", crash)
+    with pytest.raises(KeyboardInterrupt):
+        cache.persist()
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CACHE_FILE_NAME]  # no leftovers
+    assert await ContextCache.from_dir(tmp_path).aget("titles", old) == {"title": "kept"}

@@ -6,11 +6,14 @@ from typing import Any
 
 import pytest
 from llama_index.core import Document
+from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import MetadataMode
 
+from llama_index.packs.self_rag_rse import ChunkIndexer
 from llama_index.packs.self_rag_rse.context.cache import ContextCache
 from llama_index.packs.self_rag_rse.context.headers import ContextualHeaders
+from llama_index.packs.self_rag_rse.context.keys import HEADER_KEY
 from llama_index.packs.self_rag_rse.context.sectioner import DocumentSectioner
 
 
@@ -105,3 +108,25 @@ def test_options_are_checked(scripted: Any) -> None:
     with pytest.raises(TypeError, match="cache must be"):
         ContextualHeaders(cache=3)
     assert isinstance(ContextualHeaders(cache=None).cache, ContextCache)
+
+
+def test_whole_documents_before_the_splitter_are_refused_naming_the_fix(markdown: str) -> None:
+    # The header would name no section and be copied into every chunk by the splitter.
+    pipeline = IngestionPipeline(
+        transformations=[ContextualHeaders(), SentenceSplitter(chunk_size=64, chunk_overlap=0)]
+    )
+    with pytest.raises(ValueError, match="Put ContextualHeaders after the splitter or Document"):
+        pipeline.run(documents=[Document(text=markdown, id_="herons")])
+
+
+def test_chunks_of_a_plain_splitter_get_headers(markdown: str) -> None:
+    pipeline = IngestionPipeline(
+        transformations=[
+            SentenceSplitter(chunk_size=64, chunk_overlap=0),
+            ChunkIndexer(),
+            ContextualHeaders(),
+        ]
+    )
+    document = Document(text=markdown, id_="herons", metadata={"file_name": "herons.md"})
+    nodes = pipeline.run(documents=[document])
+    assert nodes and all(n.metadata[HEADER_KEY] == "Document: herons" for n in nodes)

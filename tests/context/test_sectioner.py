@@ -253,3 +253,35 @@ def test_repeated_text_gets_the_offsets_of_its_own_copy():
         assert text[node.start_char_idx : node.end_char_idx] == node.text
         covered[node.start_char_idx : node.end_char_idx] = [True] * len(node.text)
     assert all(c or ch.isspace() for ch, c in zip(text, covered, strict=True))
+
+
+# -- what it is given ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["headings", "llm"])
+def test_after_a_splitter_it_refuses_the_chunks_and_names_the_fix(
+    strategy: str, scripted: Any, heading_partition: Any
+) -> None:
+    # The chunks' offsets would point into the chunk while their source names the document.
+    llm = scripted(heading_partition) if strategy == "llm" else None
+    sectioner = DocumentSectioner(strategy=strategy, llm=llm, splitter=_splitter())
+    pipeline = IngestionPipeline(transformations=[_splitter(), sectioner])
+    with pytest.raises(ValueError, match="DocumentSectioner replaces the splitter") as error:
+        pipeline.run(documents=corpus_documents(("execmodel",)))
+    assert "is a chunk of 'execmodel'" in str(error.value)
+    assert llm is None or not llm.prompts  # refused before any LLM call
+
+
+def test_reader_documents_in_the_splitters_place_are_accepted(markdown: str, tmp_path: Any) -> None:
+    from llama_index.core import SimpleDirectoryReader
+
+    (tmp_path / "herons.md").write_text(markdown)
+    documents = SimpleDirectoryReader(str(tmp_path), filename_as_id=True).load_data()
+    pipeline = IngestionPipeline(
+        transformations=[DocumentSectioner(splitter=_splitter()), ChunkIndexer()]
+    )
+    chunks = pipeline.run(documents=documents)
+    texts = {d.doc_id: d.text for d in documents}
+    assert chunks and all(
+        texts[c.ref_doc_id][c.start_char_idx : c.end_char_idx] == c.text for c in chunks
+    )

@@ -64,3 +64,28 @@ def test_segments_of_chunks_without_headers_are_unchanged(markdown: str) -> None
     node = chunks[0].model_copy()
     assert add_segment_header(node, chunks[:1]) is node
     assert "segment_header" not in node.metadata
+
+
+def test_arrays_and_numbers_in_header_metadata_are_not_header_text() -> None:
+    import numpy as np
+    from llama_index.core.schema import TextNode
+
+    from llama_index.packs.self_rag_rse.context.keys import (
+        DOCUMENT_SUMMARY_KEY,
+        DOCUMENT_TITLE_KEY,
+        SECTION_PATH_KEY,
+    )
+    from llama_index.packs.self_rag_rse.context.segment_header import segment_header
+
+    odd = TextNode(
+        text="x",
+        metadata={
+            DOCUMENT_TITLE_KEY: np.array([1.0, 2.0]),
+            DOCUMENT_SUMMARY_KEY: float("nan"),
+            SECTION_PATH_KEY: np.array(["a", "b"]),
+        },
+    )
+    assert segment_header(odd, [odd]) == ""
+    titled = TextNode(text="y", metadata={DOCUMENT_TITLE_KEY: "Guide", SECTION_PATH_KEY: ["Intro"]})
+    header = segment_header(titled, [titled, odd])
+    assert "Guide" in header and "Intro" in header

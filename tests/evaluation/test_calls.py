@@ -10,8 +10,11 @@ from retrievers import FixedRetriever
 
 from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
 from llama_index.packs.self_rag_rse.evaluation.calls import ModelCallCounter
-from llama_index.packs.self_rag_rse.self_rag.base_critic import BaseCritic
-from llama_index.packs.self_rag_rse.self_rag.contract import ParagraphJudgement, RetrievalDecision
+from llama_index.packs.self_rag_rse.self_rag.contract import (
+    BaseCritic,
+    ParagraphJudgement,
+    RetrievalDecision,
+)
 
 dispatcher = get_dispatcher(__name__)
 
@@ -73,7 +76,7 @@ def test_a_critic_on_an_llm_is_counted_by_its_requests(scripted_llm):
     from llama_index.packs.self_rag_rse import PromptedCritic
 
     llm = scripted_llm(lambda prompt: "Yes")
-    critic = PromptedCritic(llm, num_workers=2)
+    critic = PromptedCritic.from_llm(llm, num_workers=2)
     engine = SelfRAGQueryEngine(critic=critic, retriever=FixedRetriever())
     with ModelCallCounter() as counter:
         engine.query("What does while do?")

@@ -1,4 +1,5 @@
-"""``self-rag-rse evaluate``: argument errors before anything loads; a real run, offline."""
+"""``self-rag-rse evaluate``: model specifications, argument errors before anything loads, a real
+run offline."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from corpus import CORPUS
 
 from llama_index.packs.self_rag_rse.cli import main
+from llama_index.packs.self_rag_rse.evaluation.command import ModelSpec, load_llm, parse_spec
 
 QUESTIONS = [
     {
@@ -33,6 +35,45 @@ def inputs(tmp_path):
     qa = tmp_path / "qa.jsonl"
     qa.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
     return docs, qa, tmp_path / "out"
+
+
+def test_parse_spec(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert parse_spec("bundled") == ModelSpec("bundled")
+    assert parse_spec("bundled").bundled
+    assert parse_spec(str(gguf)) == ModelSpec("gguf", str(gguf))
+    assert parse_spec("openai-like:qwen", "http://h/v1") == ModelSpec(
+        "openai-like", "qwen", "http://h/v1"
+    )
+    assert parse_spec("openai-like-chat", "http://h/v1") == ModelSpec(
+        "openai-like-chat", None, "http://h/v1"
+    )
+    with pytest.raises(ValueError, match="pass --judge-url URL"):
+        parse_spec("openai-like-chat:x", url_flag="--judge-url")
+    with pytest.raises(ValueError, match="does not exist"):
+        parse_spec(str(tmp_path / "absent.gguf"))
+
+
+def test_served_model_is_an_openai_like():
+    pytest.importorskip("llama_index.llms.openai_like")
+    loaded = load_llm("openai-like-chat:judge-7b", "http://127.0.0.1:9/v1", max_new_tokens=99)
+    assert type(loaded.llm).__name__ == "OpenAILike"
+    assert loaded.llm.model == "judge-7b" and loaded.llm.is_chat_model
+    assert loaded.llm.max_tokens == 99 and loaded.llm.api_base == "http://127.0.0.1:9/v1"
+    assert not load_llm("openai-like:m", "http://127.0.0.1:9/v1").llm.is_chat_model
+    assert loaded.label == "judge-7b at http://127.0.0.1:9/v1"
+    loaded.close()  # holds nothing
+
+
+def test_bundled_model_uses_its_own_chat_template():
+    loaded = load_llm("bundled", max_new_tokens=4, context_window=512)
+    try:
+        assert loaded.bundled and loaded.label.startswith("SmolLM2-135M")
+        prompt = loaded.llm.completion_to_prompt("Hi?")
+        assert prompt.endswith("<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n")
+    finally:
+        loaded.close()
 
 
 def test_help_lists_evaluate_and_keeps_the_other_commands(capsys):
@@ -122,3 +163,37 @@ def test_end_to_end_offline_with_the_bundled_models_and_resume(inputs, capsys):
     again = json.loads((out / "records.json").read_text())
     assert all(r["cached"] for r in again)
     assert [r["answer"] for r in again] == [r["answer"] for r in records]
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_run_exits_cleanly_and_the_cache_resumes(inputs):
+    """Ctrl-C while a worker thread is inside llama.cpp: no crash (the models are not freed
+    under it), exit 130 with the resume hint, and the cache stays readable."""
+    import signal
+    import subprocess
+    import sys
+
+    docs, qa, out = inputs
+    qa.write_text(
+        "\n".join(json.dumps({**QUESTIONS[i % 2], "question": f"Q{i}?"}) for i in range(12))
+    )
+    command = [
+        sys.executable, "-m", "llama_index.packs.self_rag_rse", "evaluate", "--docs", str(docs),
+        "--qa", str(qa), "--out", str(out), "--engines", "top-k", "--judge-backend", "none",
+        "--max-new-tokens", "48", "--no-progress",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cache = out / "cache.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        if cache.exists() and cache.read_text().count("\n") >= 1:
+            break
+        time.sleep(0.2)
+    assert process.poll() is None, process.communicate()
+    time.sleep(0.3)  # the next answer is being generated now
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=240)
+    assert process.returncode == 130, (process.returncode, err[-2000:])
+    assert "interrupted" in err and "resume" in err
+    lines = [line for line in cache.read_text().splitlines() if line.strip()]
+    assert lines and all(json.loads(line)["kind"] for line in lines)

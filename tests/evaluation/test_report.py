@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llama_index.packs.self_rag_rse.evaluation import EvaluationResult, Record
+from llama_index.packs.self_rag_rse.evaluation import EvaluationResult, Record, write_report
 from llama_index.packs.self_rag_rse.evaluation.result import MetricSummary
 
 
@@ -68,7 +68,7 @@ def test_files_written(result, tmp_path):
     import matplotlib
 
     backend = matplotlib.get_backend()
-    paths = result.save(tmp_path / "out")
+    paths = write_report(result, tmp_path / "out")
     assert matplotlib.get_backend() == backend  # the global backend is left alone
     assert paths["chart"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -103,6 +103,6 @@ def test_no_matplotlib_still_writes_the_report(result, tmp_path, monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    paths = result.save(tmp_path)
+    paths = write_report(result, tmp_path)
     assert "chart" not in paths
     assert "No chart: matplotlib is not installed" in paths["report"].read_text()

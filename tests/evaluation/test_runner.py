@@ -14,7 +14,7 @@ from llama_index.packs.self_rag_rse.evaluation import (
     Sample,
     evaluate,
 )
-from llama_index.packs.self_rag_rse.evaluation.cache import ResultCache
+from llama_index.packs.self_rag_rse.evaluation.result import ResultCache
 
 DOC = "The while loop repeats a suite. The else clause runs when the loop ends normally."
 DOCUMENTS = {"loops.txt": DOC}

@@ -6,6 +6,8 @@ Tests that close a model build their own ``Llama`` (the conftest ones are sessio
 
 from __future__ import annotations
 
+import gc
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -259,7 +261,41 @@ def test_a_model_freed_without_telling_the_decoder_is_detected_and_left_alone(
     with pytest.raises(ModelClosedError):
         decoder.generate(**inputs, max_new_tokens=3)
     decoder.close()  # leaks the context rather than letting llama_free read the freed model
-    assert decoder._native.ctx is None and "leaked" in caplog.text
+    assert decoder._native.ctx is None
+    # A misuse during the program's life is a warning (only the exit of the process is quiet).
+    assert [r.levelno for r in caplog.records if "leaked" in r.getMessage()] == [logging.WARNING]
+
+
+def test_a_decoder_collected_with_its_llama_frees_its_context_before_the_model(
+    tiny_gguf_paths: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # What every script that exits without closing does: the decoder and its Llama become
+    # garbage together, and the collector clears weak references before it runs finalizers.
+    llm = _llama(tiny_gguf_paths["user_defined"])
+    # As in a program where the model was loaded well before the engine: the collector then
+    # finalizes the model's wrapper before the decoder, which a weak reference from the
+    # model's exit stack to the decoder did not survive.
+    gc.collect()
+    model_closed = compat.closed_check(llm)
+    freed: list[bool] = []  # one entry per llama_free: whether the model was still open
+    real_free = llama_cpp.llama_free
+
+    def spy(ctx: Any) -> None:
+        freed.append(not model_closed())
+        real_free(ctx)
+
+    monkeypatch.setattr(llama_cpp, "llama_free", spy)
+    decoder = BatchedDecoder(llm, n_seq_max=2)
+    decoder.generate(**inputs_for(llm), max_new_tokens=3)
+    cycle: list[Any] = [decoder, llm]
+    cycle.append(cycle)
+    del decoder, llm, cycle
+    gc.collect()
+    assert model_closed()  # the collection did free the model
+    assert freed == [True]  # and our context went first, exactly once
+    assert "leaked" not in caplog.text
 
 
 # --- a context that cannot be created ----------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -215,3 +216,18 @@ def test_calibrate_dispatches_by_name():
 def test_unknown_calibration_names_the_valid_ones():
     with pytest.raises(ValueError, match=r"'softmax'.*cohere.*cosine.*raw.*voyage"):
         calibrate("softmax", [0.5])
+
+
+def test_a_callable_must_return_one_number_per_score():
+    scores = np.array([0.2, 0.5, 0.9])
+    with pytest.raises(ValueError, match=r"calibration <lambda> returned shape \(\) for"):
+        calibrate(lambda s: 0.5, scores)
+    with pytest.raises(ValueError, match="returned 'high', not numbers"):
+        calibrate(lambda s: "high", scores)
+
+
+def test_minmax_takes_scores_at_the_float_limit_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaled = calibrate_minmax(np.array([1.7e308, -1.7e308, 0.3]), 0.1, 0.5)
+    np.testing.assert_allclose(scaled, [1.0, 0.0, 0.5])

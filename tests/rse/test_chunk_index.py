@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import pytest
 from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.schema import MetadataMode, NodeRelationship, RelatedNodeInfo, TextNode
 
@@ -62,3 +63,161 @@ def test_stable_ids_rename_the_chunks_and_their_links(split):
     again = ChunkIndexer(stable_ids=True)([n.model_copy(deep=True) for n in split(64, 0)])
     assert [n.node_id for n in again] == [n.node_id for n in renamed]
     assert stable_chunk_id("doc", 1) != stable_chunk_id("doc", 2) != stable_chunk_id("doc2", 2)
+
+
+def test_whole_documents_before_the_splitter_are_refused_naming_the_fix():
+    from llama_index.core import Document
+    from llama_index.core.node_parser import SentenceSplitter
+
+    # A Document is no chunk: nothing would be numbered, and RSE would find no positions.
+    pipeline = IngestionPipeline(
+        transformations=[ChunkIndexer(), SentenceSplitter(chunk_size=64, chunk_overlap=0)]
+    )
+    document = Document(text="Herons nest in colonies. " * 40, id_="doc")
+    with pytest.raises(ValueError, match="Put ChunkIndexer right after the splitter") as error:
+        pipeline.run(documents=[document])
+    assert "'doc'" in str(error.value)
+
+
+# -- a call holding part of a document ------------------------------------------------------------
+
+
+def _batches(nodes, size=10):
+    return [nodes[i : i + size] for i in range(0, len(nodes), size)]
+
+
+def _stored(nodes):
+    """Embedded copies of ``nodes`` written to a fresh Qdrant collection; its point count."""
+    from llama_index.vector_stores.qdrant import QdrantVectorStore
+    from qdrant_client import QdrantClient
+
+    store = QdrantVectorStore(client=QdrantClient(location=":memory:"), collection_name="batches")
+    for node in nodes:
+        node.embedding = [1.0, 0.0]
+    store.add(nodes)
+    return store.client.count("batches").count
+
+
+def test_batches_of_a_split_document_are_an_error_naming_the_fix(split):
+    # Issue 18, item 1: pre-split nodes ingested 10 at a time were numbered 0..9 in every batch,
+    # so stable ids repeated and 75 chunks became 10 stored points without a word.
+    nodes = [n.model_copy(deep=True) for n in split(64, 0, "typesseq")]
+    assert len(nodes) > 30
+    pipeline = IngestionPipeline(transformations=[ChunkIndexer(stable_ids=True)])
+    with pytest.raises(ValueError, match="only part of document 'typesseq'") as error:
+        for batch in _batches(nodes):
+            pipeline.run(nodes=batch)
+    assert "links PREVIOUS" in str(error.value)
+    assert "stamp indices when splitting whole documents" in str(error.value)
+
+
+def test_batches_keep_indices_stamped_on_the_whole_document(split):
+    nodes = ChunkIndexer(stable_ids=True)(
+        [n.model_copy(deep=True) for n in split(64, 0, "typesseq")]
+    )
+    expected = [(n.node_id, n.metadata[CHUNK_INDEX_KEY]) for n in nodes]
+    pipeline = IngestionPipeline(transformations=[ChunkIndexer(stable_ids=True)])
+    stored = [node for batch in _batches(nodes) for node in pipeline.run(nodes=batch)]
+    assert [(n.node_id, n.metadata[CHUNK_INDEX_KEY]) for n in stored] == expected
+    assert _stored(stored) == len(nodes)
+    for before, after in itertools.pairwise(stored):  # links still name the stable ids
+        assert before.relationships[NodeRelationship.NEXT].node_id == after.node_id
+        assert after.relationships[NodeRelationship.PREVIOUS].node_id == before.node_id
+
+
+def test_offsets_alone_show_a_later_part_of_a_document(split):
+    nodes = [n.model_copy(deep=True) for n in split(64, 0)]
+    for node in nodes:
+        node.relationships.pop(NodeRelationship.NEXT, None)
+        node.relationships.pop(NodeRelationship.PREVIOUS, None)
+    with pytest.raises(ValueError, match=r"start at character \d+"):
+        ChunkIndexer()(nodes[5:9])
+    # The first part is numbered from 0: its offsets start the document.
+    assert [n.metadata[CHUNK_INDEX_KEY] for n in ChunkIndexer()(nodes[:4])] == [0, 1, 2, 3]
+
+
+def test_leading_whitespace_is_not_a_missing_start():
+    from llama_index.core import Document
+    from llama_index.core.node_parser import SentenceSplitter
+
+    text = "\n\n\n\n\n\n   " + "A sentence about herons and their nests. " * 30
+    splitter = SentenceSplitter(chunk_size=32, chunk_overlap=0)
+    linked = splitter.get_nodes_from_documents([Document(text=text, id_="d")])
+    assert linked[0].start_char_idx > 4  # the splitter stripped the leading whitespace
+    stamped = ChunkIndexer()(linked)  # the first chunk links to no predecessor: it is first
+    assert [n.metadata[CHUNK_INDEX_KEY] for n in stamped] == list(range(len(linked)))
+    short = Document(text="\t    alpha ", id_="s")
+    (only,) = ChunkIndexer()(splitter.get_nodes_from_documents([short]))  # unlinked, start 5
+    assert only.start_char_idx == 5 and only.metadata[CHUNK_INDEX_KEY] == 0
+    unlinked = SentenceSplitter(chunk_size=32, chunk_overlap=0, include_prev_next_rel=False)
+    nodes = unlinked.get_nodes_from_documents([Document(text=text, id_="u")])
+    stamped = ChunkIndexer()(nodes)  # 9 characters in: less than half a chunk
+    assert [n.metadata[CHUNK_INDEX_KEY] for n in stamped] == list(range(len(nodes)))
+
+
+def test_one_missing_chunk_between_linked_members_keeps_true_indices(split):
+    from llama_index.packs.self_rag_rse.rse.chunk_index import stable_chunk_id
+
+    nodes = [n.model_copy(deep=True) for n in split(64, 0)][:8]
+    kept = nodes[:3] + nodes[4:]  # chunk 3 dropped after splitting (a filter, say)
+    stamped = ChunkIndexer(stable_ids=True)(kept)
+    assert [n.metadata[CHUNK_INDEX_KEY] for n in stamped] == [0, 1, 2, 4, 5, 6, 7]
+    gap = stable_chunk_id(nodes[0].ref_doc_id, 3)  # both neighbours name chunk 3's stable id
+    assert stamped[2].relationships[NodeRelationship.NEXT].node_id == gap
+    assert stamped[3].relationships[NodeRelationship.PREVIOUS].node_id == gap
+    fresh = split(64, 0)[:8]
+    two_gone = [n.model_copy(deep=True) for n in fresh[:3] + fresh[5:]]
+    with pytest.raises(ValueError, match="chunks between"):
+        ChunkIndexer()(two_gone)
+    # Nodes stamped before (on the whole document) keep their indices.
+    assert [n.metadata[CHUNK_INDEX_KEY] for n in ChunkIndexer()(stamped[:2] + stamped[4:])] == [
+        0,
+        1,
+        5,
+        6,
+        7,
+    ]
+
+
+def test_each_chunk_gets_its_documents_version(split):
+    from llama_index.core import Document
+    from llama_index.core.node_parser import SentenceSplitter
+
+    from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_VERSION_KEY
+
+    splitter = SentenceSplitter(chunk_size=64, chunk_overlap=0)
+    v1 = Document(text="Herons nest in colonies. " * 40, id_="doc")
+    v2 = Document(text="Herons nest in colonies. " * 20 + "They eat fish.", id_="doc")
+    first = ChunkIndexer()(splitter.get_nodes_from_documents([v1]))
+    second = ChunkIndexer()(splitter.get_nodes_from_documents([v2]))
+    assert {n.metadata[CHUNK_VERSION_KEY] for n in first} == {v1.hash}
+    assert {n.metadata[CHUNK_VERSION_KEY] for n in second} == {v2.hash} != {v1.hash}
+    for mode in (MetadataMode.LLM, MetadataMode.EMBED):
+        assert v1.hash not in first[0].get_content(metadata_mode=mode)
+    # Without a document hash on SOURCE, a hash of the document's chunk texts stands in.
+    source = {NodeRelationship.SOURCE: RelatedNodeInfo(node_id="doc")}
+    bare = [TextNode(text=f"chunk {i}", relationships=dict(source)) for i in range(3)]
+    again = [n.model_copy(deep=True) for n in bare]
+    ChunkIndexer()(bare)
+    ChunkIndexer()(again)
+    assert len({n.metadata[CHUNK_VERSION_KEY] for n in bare + again}) == 1
+
+
+def test_a_node_given_twice_is_one_chunk(split):
+    nodes = [n.model_copy(deep=True) for n in split(64, 0)][:4]
+    twice = nodes[2].model_copy(deep=True)  # the same chunk again (same id)
+    stamped = ChunkIndexer(stable_ids=True)([*nodes, twice])
+    assert [n.metadata[CHUNK_INDEX_KEY] for n in stamped] == [0, 1, 2, 3, 2]
+    assert stamped[4].node_id == stamped[2].node_id  # one id: one point in the store
+
+
+def test_batches_keep_the_version_stamped_on_the_whole_document(split):
+    from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_VERSION_KEY
+
+    nodes = [n.model_copy(deep=True) for n in split(64, 0)]
+    for node in nodes:  # no document hash: the version is a hash of the document's chunks
+        node.relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id="execmodel")
+    ChunkIndexer()(nodes)
+    (version,) = {n.metadata[CHUNK_VERSION_KEY] for n in nodes}
+    batches = [ChunkIndexer()(batch) for batch in _batches(nodes, 4)]
+    assert {n.metadata[CHUNK_VERSION_KEY] for batch in batches for n in batch} == {version}

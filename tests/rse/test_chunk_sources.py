@@ -89,6 +89,35 @@ def test_async_reads_match_sync(chunks, qdrant, docstore_with):
     assert ids(from_qdrant) == named("alpha-3")
 
 
+def test_async_reads_by_id_use_the_async_clients_retrieve(chunks):
+    """Ids are read with the async client's ``retrieve`` (a scroll scans every point)."""
+    from llama_index.vector_stores.qdrant import QdrantVectorStore
+    from qdrant_client import AsyncQdrantClient
+
+    async def read():
+        aclient = AsyncQdrantClient(location=":memory:")
+        store = QdrantVectorStore(aclient=aclient, collection_name="byid")
+        await store.async_add([n.model_copy(deep=True) for n in chunks])
+        calls = []
+        scroll, retrieve = aclient.scroll, aclient.retrieve
+
+        async def counting_retrieve(*args, **kwargs):
+            calls.append("retrieve")
+            return await retrieve(*args, **kwargs)
+
+        async def counting_scroll(*args, **kwargs):
+            calls.append("scroll")
+            return await scroll(*args, **kwargs)
+
+        aclient.retrieve, aclient.scroll = counting_retrieve, counting_scroll
+        request = ChunkRequest("node_ids", node_ids=[uid("alpha-2"), uid("beta-3")])
+        return await ChunkSource(vector_store=store).arun(request), calls
+
+    nodes, calls = asyncio.run(read())
+    assert ids(nodes) == named("alpha-2", "beta-3")
+    assert calls == ["retrieve"]
+
+
 def test_a_failing_store_is_logged_with_its_name_and_reads_nothing(caplog):
     class Broken(SimpleDocumentStore):
         def get_ref_doc_info(self, ref_doc_id):

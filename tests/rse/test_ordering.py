@@ -1,32 +1,20 @@
-"""Placing chunks in their document, and finding the holes in a document's order."""
+"""The evidence on nodes about their order in a document, and the holes it shows."""
 
 from __future__ import annotations
 
 import random
 
-from llama_index.core.schema import NodeRelationship
+from llama_index.core.schema import NodeRelationship, RelatedNodeInfo
 
-from llama_index.packs.self_rag_rse.rse.chunk_sources import ChunkSource
 from llama_index.packs.self_rag_rse.rse.ordering import (
-    DocumentLayout,
     adjacent,
+    by_version,
     document_order,
-    lay_out,
     orderable,
     positions_from_links,
     run_breaks,
     with_missing_slots,
 )
-
-
-def drive(plan, source: ChunkSource):
-    """Run a request generator against ``source`` (what the postprocessor does)."""
-    try:
-        request = next(plan)
-        while True:
-            request = plan.send(source.run(request))
-    except StopIteration as done:
-        return done.value
 
 
 def unlinked(nodes):
@@ -85,43 +73,47 @@ def test_run_breaks_on_links_offsets_and_contradicted_texts(split):
     assert suspect[1] and found
 
 
-def test_layout_regions_stop_at_breaks_and_unreadable_chunks(doc_nodes):
-    nodes = doc_nodes("doc", 8)
-    layout = DocumentLayout("doc", {n.node_id: i for i, n in enumerate(nodes)}, "chunk_index")
-    layout.fetchable = True
-    layout.hold([nodes[1], nodes[6]])
-    values = {nodes[1].node_id: 0.7, nodes[6].node_id: 0.6}
-    (region,) = layout.regions(values, 0.1)
-    assert region.positions == list(range(1, 7))
-    assert list(region.values) == [0.7, -0.1, -0.1, -0.1, -0.1, 0.6]
-    layout.breaks[3] = "test"
-    layout.mark_unreadable([5], "test")
-    assert [r.positions for r in layout.regions(values, 0.1)] == [[1, 2, 3], [4], [6]]
-    assert [(h.left, h.right) for h in layout.holes] == [(4, 6)]
+def versioned(nodes, version):
+    nodes = [n.model_copy(deep=True) for n in nodes]
+    for node in nodes:
+        node.metadata["chunk_version"] = version
+    return nodes
 
 
-def test_lay_out_from_a_docstore_record(split, docstore_with):
+def test_chunks_of_two_versions_are_never_adjacent(split):
+    nodes = split(64, 0)
+    old, new = versioned(nodes[:6], "v1"), versioned(nodes[:6], "v2")
+    new[3].relationships[NodeRelationship.NEXT].node_id = old[4].node_id  # links say neighbours
+    old[4].relationships[NodeRelationship.PREVIOUS].node_id = new[3].node_id
+    assert adjacent(old[2], old[3]) and not adjacent(new[3], old[4])
+    found, _ = run_breaks([new[2], new[3], old[4]])
+    assert list(found) == [1] and "different versions" in found[1]
+    positions = positions_from_links([new[3], old[4]])
+    assert positions[old[4].node_id] == positions[new[3].node_id] + 2
+    # Unknown versions (no stamp, no document hash) are no evidence either way; unstamped
+    # chunks are of the version their SOURCE relationship's document hash names.
+    assert not adjacent(nodes[2], old[3])
+    unknown = nodes[2].model_copy(deep=True)
+    unknown.relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id="execmodel")
+    assert adjacent(unknown, old[3])
+
+
+def test_by_version_groups_a_documents_nodes_by_the_hits_versions(split):
+    nodes = split(64, 0)
+    old, new = versioned(nodes[:5], "v1"), versioned(nodes[:4], "v2")
+    interleaved = document_order(old + new)  # sorted by offset: both copies at every offset
+    assert {n.metadata["chunk_version"] for n in interleaved[:2]} == {"v1", "v2"}
+    grouped = by_version(interleaved, [new[1]], "chunk_version")
+    assert grouped == new  # only the hits' version, in order
+    both = by_version(interleaved, [new[1], old[0]], "chunk_version")
+    assert both == new + old
+
+
+def test_missing_first_chunk_leaves_position_zero_empty(split, docstore_with):
     nodes = split(64, 0)
     store = docstore_with(nodes)
-    store.delete_document(nodes[3].node_id)
-    source = ChunkSource(docstore=store)
-    layouts = drive(
-        lay_out({"execmodel": [nodes[2], nodes[4]]}, source, "chunk_index", 100), source
-    )
-    layout = layouts["execmodel"]
-    assert layout.order == "docstore" and layout.fetchable
-    assert layout.positions[nodes[2].node_id] == 2
-    assert layout.positions[nodes[4].node_id] == 4  # its true index, past the empty slot
-    assert not layout.available(3) and layout.available(1)
-    assert source.calls == 1
-
-
-def test_lay_out_without_store_uses_links_and_skips_the_unorderable(split):
-    nodes = split(64, 0)
-    bare = unlinked([nodes[5]])[0].model_copy(update={"start_char_idx": None})
-    bare.id_ = "bare"
-    source = ChunkSource()
-    docs = {"execmodel": [nodes[2], nodes[3]], "other": [bare]}
-    layouts = drive(lay_out(docs, source, "chunk_index", 100), source)
-    assert set(layouts) == {"execmodel"} and layouts["execmodel"].renumbered
-    assert not layouts["execmodel"].fetchable and source.calls == 0
+    store.delete_document(nodes[0].node_id)
+    ids = store.get_ref_doc_info("execmodel").node_ids
+    slots, inserted = with_missing_slots(ids, [nodes[1]])
+    assert slots[:2] == [None, nodes[1].node_id]  # chunk 1 keeps its true index
+    assert [p for p, _ in inserted] == [0] and "PREVIOUS" in inserted[0][1]

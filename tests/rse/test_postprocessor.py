@@ -19,7 +19,7 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeRelationship, NodeWithScore, RelatedNodeInfo, TextNode
 
 from llama_index.packs.self_rag_rse import ChunkIndexer, RelevantSegmentPostprocessor
-from llama_index.packs.self_rag_rse.rse.postprocessor import Segment, SegmentExtraction
+from llama_index.packs.self_rag_rse.rse.types import Segment, SegmentExtraction
 
 QUERY = 'The "while" statement: loop while an expression is true, else clause, break, continue'
 

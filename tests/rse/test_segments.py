@@ -18,12 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llama_index.packs.self_rag_rse.rse import segments as segments_module
-from llama_index.packs.self_rag_rse.rse.segments import (
+from llama_index.packs.self_rag_rse.rse.segments import find_best_segments
+from llama_index.packs.self_rag_rse.rse.values import (
     PRESETS,
     RSEPreset,
     adjust_for_length,
     chunk_value,
-    find_best_segments,
     get_preset,
 )
 

@@ -11,21 +11,23 @@ import asyncio
 import pytest
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+from scripted import BlockingCritic
 
 from llama_index.packs.self_rag_rse import ParagraphJudgement, RetrievalDecision, SelfRAGQueryEngine
-from llama_index.packs.self_rag_rse.self_rag.engine import (
-    GROUNDED_INSTRUCTION,
-    NO_ANSWER,
-    QUERY2DOC_INSTRUCTION,
-    REWRITE_INSTRUCTION,
-)
+from llama_index.packs.self_rag_rse.self_rag.engine import NO_ANSWER
+from llama_index.packs.self_rag_rse.self_rag.prompts import ENGINE_PROMPTS
 
 QUESTION = "Who wrote the while statement?"
 PSEUDO_DOC = "A passage about loops."
 REWRITTEN = "while statement author"
 
 
-class ScriptedCritic:
+GROUNDED = ENGINE_PROMPTS["grounded_prompt"].format(query_str=QUESTION)
+QUERY2DOC = ENGINE_PROMPTS["query2doc_prompt"].format(query_str=QUESTION)
+REWRITE = ENGINE_PROMPTS["rewrite_prompt"].format(query_str=QUESTION)
+
+
+class ScriptedCritic(BlockingCritic):
     """Judges paragraphs from a table {paragraph text: (relevance, support, utility)}."""
 
     name = "scripted"
@@ -41,9 +43,7 @@ class ScriptedCritic:
 
     def judge(self, query, paragraphs):
         self.judged.append((query, list(paragraphs)))
-        table = (
-            self.regenerated if query == GROUNDED_INSTRUCTION.format(query=QUESTION) else self.table
-        )
+        table = self.regenerated if query == GROUNDED else self.table
         out = []
         for p in paragraphs:
             rel, sup, use = table[p]
@@ -56,9 +56,9 @@ class ScriptedCritic:
 
     def generate(self, text):
         self.generated.append(text)
-        if text == QUERY2DOC_INSTRUCTION.format(query=QUESTION):
+        if text == QUERY2DOC:
             return PSEUDO_DOC
-        if text == REWRITE_INSTRUCTION.format(query=QUESTION):
+        if text == REWRITE:
             return REWRITTEN
         return "model-only answer"
 
@@ -144,7 +144,7 @@ def test_unsupported_answer_is_regenerated_once():
     retriever = RoutingRetriever({QUESTION: ["gold"]})
     response = engine_for(critic, retriever, max_regenerations=2).query(QUESTION)
     assert steps(response).count("regenerate") == 1  # stopped once supported
-    assert critic.judged[-1][0] == GROUNDED_INSTRUCTION.format(query=QUESTION)
+    assert critic.judged[-1][0] == GROUNDED
     assert response.metadata["self_rag"]["paragraphs"][0]["support"] == pytest.approx(0.8)
 
 

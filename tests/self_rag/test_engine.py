@@ -10,7 +10,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from retrievers import PARAGRAPHS, FixedRetriever
 
 from llama_index.packs.self_rag_rse import SelfRAGPack, SelfRAGQueryEngine
-from llama_index.packs.self_rag_rse.self_rag.reflection_critic import ReflectionCritic
+from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import warnings
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeWithScore, TextNode
 from retrievers import FixedRetriever, make_nodes
+from scripted import BlockingCritic
 
 from llama_index.packs.self_rag_rse import SelfRAGPack, SelfRAGQueryEngine
 from llama_index.packs.self_rag_rse.common.notes import record_note
@@ -114,8 +116,8 @@ async def test_a_postprocessor_that_keeps_nothing_under_aquery(tiny_llm):
     assert any(e.get("dropped_by") == "DropAll" for e in meta["trace"])
 
 
-class Recording:
-    """A blocking-only critic (the earlier contract) that records the paragraphs it judges."""
+class Recording(BlockingCritic):
+    """A critic that records the paragraphs it judges."""
 
     name = "recording"
 
@@ -226,3 +228,63 @@ def test_rse_keeping_nothing_is_explained_in_the_trace():
     )
     assert "minimum_value" in retrieve["reason"]
     assert critic.paragraphs == []
+
+
+def test_a_retriever_that_cannot_retrieve_is_rejected_at_construction():
+    with pytest.raises(TypeError, match=r"retriever must be a LlamaIndex retriever.*got str"):
+        SelfRAGQueryEngine(retriever="x", critic=Recording())
+
+
+def test_a_critic_of_the_wrong_type_gets_its_own_reason():
+    with pytest.raises(TypeError, match=r"critic must be .* a built critic .*got int"):
+        SelfRAGQueryEngine(retriever=FixedRetriever(), critic=42)
+
+
+class Returns(FixedRetriever):
+    """A retriever returning whatever it was given, as a broken one might."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self.value = value
+
+    def _retrieve(self, query_bundle: Any) -> Any:
+        return self.value
+
+    async def _aretrieve(self, query_bundle: Any) -> Any:
+        return self.value
+
+
+class DuckReturns:
+    """Not a BaseRetriever: only retrieve()/aretrieve(), returning whatever it was given."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def retrieve(self, query_bundle: Any) -> Any:
+        return self.value
+
+    async def aretrieve(self, query_bundle: Any) -> Any:
+        return self.value
+
+
+@pytest.mark.parametrize("value", [None, [TextNode(text="x")]])
+@pytest.mark.parametrize("kind", [Returns, DuckReturns])
+def test_a_retriever_returning_no_list_of_nodes_names_itself(kind: Any, value: Any):
+    engine = SelfRAGQueryEngine(retriever=kind(value), critic=Recording())
+    pattern = rf"{kind.__name__} (returned|failed).*must return .*NodeWithScore"
+    with pytest.raises(TypeError, match=pattern):
+        engine.query("q")
+    with pytest.raises(TypeError, match=pattern):
+        asyncio.run(engine.aquery("q"))
+
+
+def test_a_postprocessor_returning_none_names_itself():
+    class Nothing(BaseNodePostprocessor):
+        def _postprocess_nodes(self, nodes, query_bundle=None):
+            return None
+
+    engine = SelfRAGQueryEngine(
+        retriever=FixedRetriever(), critic=Recording(), node_postprocessors=[Nothing()]
+    )
+    with pytest.raises(TypeError, match="Nothing returned NoneType"):
+        engine.query("q")

@@ -11,7 +11,9 @@ from llama_index.packs.self_rag_rse.self_rag.labels import (
     RETRIEVAL_SCALE,
     SUPPORT_SCALE,
     UTILITY_SCALE,
+    InvalidLogprob,
     LabelScale,
+    checked_logprob,
     label_logprobs_from_top,
     normalised_probabilities,
     parse_reply,
@@ -117,3 +119,26 @@ def test_expected_values_use_the_reflection_scales() -> None:
     assert RELEVANCE_SCALE.expected_value([-2000.0, -2001.0]) == pytest.approx(
         1 / (1 + math.exp(-1))
     )
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 0.7])
+def test_a_logprob_that_is_no_logprob_is_named_not_scored(bad: float) -> None:
+    positions = [[("\n", -0.01)], [("No", math.log(0.3)), ("Yes", bad)]]
+    with pytest.raises(InvalidLogprob, match=r"position 1, token 'Yes'.*not a log-prob"):
+        label_logprobs_from_top(positions, RELEVANCE_SCALE)
+
+
+def test_a_logprob_rounded_just_above_zero_reads_as_zero() -> None:
+    lps = label_logprobs_from_top([[("Yes", 1e-7), ("No", -30.0)]], RELEVANCE_SCALE)
+    assert lps is not None and lps[0] == 0.0
+    assert checked_logprob(-2.5) == -2.5 and checked_logprob(3e-6) == 0.0
+    for bad in (math.nan, math.inf, -math.inf, 0.01, "0", True, None):
+        with pytest.raises(InvalidLogprob):
+            checked_logprob(bad)
+
+
+@pytest.mark.parametrize("values", [[math.nan, -1.0], [-1.0, math.nan], [math.inf, -1.0]])
+def test_expected_values_never_come_out_nan(values: list[float]) -> None:
+    # max() with a NaN depends on the order; either way there is no score to give.
+    with pytest.raises(InvalidLogprob):
+        RELEVANCE_SCALE.expected_value(values)

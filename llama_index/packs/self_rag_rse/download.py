@@ -134,8 +134,9 @@ def download_llama_pack(
         (``PYTHONPATH=download_dir``).
 
     Raises:
-        ValueError: unknown name, unknown extra, remote ``llama_pack_url``, or ``download_dir``
-            being the pack's own source.
+        ValueError: unknown name, unknown extra, remote or damaged ``llama_pack_url``,
+            ``download_dir`` being the pack's own source, or symlinks inside ``download_dir``
+            where the copy goes (checked before anything is written).
         FileExistsError: ``download_dir`` is not empty and holds no identical copy.
         PermissionError / NotADirectoryError: ``download_dir`` cannot be created or written.
         RuntimeError: pip failed to install a missing requirement.
@@ -199,8 +200,9 @@ def copy_pack(
     """Copy ``source`` into ``dest``; return whether any file was written.
 
     See :func:`download_llama_pack` for ``refresh_cache`` and ``overwrite``. Before writing, the
-    folder is checked: never the pack's own source, never a non-empty folder that would change
-    unless ``overwrite``.
+    folder is checked: never the pack's own source, never a symbolic link inside it on the way
+    to a file of the copy (``dest`` itself may be one), never a non-empty folder that would
+    change unless ``overwrite``.
     """
     plan = source.plan()
     own_package = source.package_dir.resolve()
@@ -210,6 +212,7 @@ def copy_pack(
             f"download_dir {dest} is the pack's own source ({source.package_dir}); "
             "pick a folder outside it, e.g. --download-dir ./self_rag_rse_pack"
         )
+    _refuse_symlinks(dest, plan)
     if dest.exists() and not dest.is_dir():
         raise NotADirectoryError(
             f"download_dir {dest} is a file, not a folder; pick a new folder name"
@@ -254,7 +257,7 @@ def copy_pack(
     except OSError:
         if fresh:  # leave no half copy behind in a folder we created or found empty
             for child in dest.iterdir():
-                if child.is_dir():
+                if child.is_dir() and not child.is_symlink():
                     shutil.rmtree(child)
                 else:
                     child.unlink()
@@ -364,6 +367,34 @@ def _belongs_to_pack(root: Path) -> bool:
     return bool(_normalize(name) == _normalize(DISTRIBUTION))
 
 
+def _refuse_symlinks(dest: Path, plan: dict[Path, Path]) -> None:
+    """Raise when a symbolic link inside ``dest`` lies on the way to a file of the copy.
+
+    Writing through one would change files outside ``dest`` (overwrite would even delete them),
+    and the copy would then load from outside ``dest``; comparing through one would take another
+    folder's files for an identical copy. So: refused before anything is read or written.
+    """
+    linked: dict[Path, bool] = {}  # every prefix checked once
+    for rel in plan:
+        for depth in range(1, len(rel.parts) + 1):
+            part = Path(*rel.parts[:depth])
+            if part not in linked:
+                linked[part] = (dest / part).is_symlink()
+            if linked[part]:
+                break  # what lies beyond is another folder's business
+    links = [dest / part for part, is_link in linked.items() if is_link]
+    if links:
+        shown = ", ".join(f"{link} -> {os.readlink(link)}" for link in links[:5])
+        more = f" and {len(links) - 5} more" if len(links) > 5 else ""
+        raise ValueError(
+            f"download_dir {dest} holds symlinks (symbolic links) where the copy goes: "
+            f"{shown}{more}. "
+            "Copying through them would write outside the folder, and the copy would not load "
+            f"from {dest}; nothing was written. Remove the links, or pick a new folder (the "
+            "folder itself may be a link)."
+        )
+
+
 def _check_writable(dest: Path) -> None:
     try:
         dest.mkdir(parents=True, exist_ok=True)
@@ -413,7 +444,10 @@ def _read_toml(path: Path) -> dict[str, Any]:
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib  # type: ignore[no-redef]
     with path.open("rb") as handle:
-        return tomllib.load(handle)
+        try:
+            return tomllib.load(handle)
+        except tomllib.TOMLDecodeError as error:
+            raise ValueError(f"{path} is not valid TOML ({error}); fix or restore it") from error
 
 
 _NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?")

@@ -27,7 +27,12 @@ class SelfRAGPack(BaseLlamaPack):
     """Self-RAG as a LlamaPack: builds a :class:`SelfRAGQueryEngine` and queries it.
 
     Unlike the upstream pack, extra keyword arguments reach the engine (``llm=``, ``threshold=``,
-    ``node_postprocessors=``, ...).
+    ``node_postprocessors=``, ...). The pack owns the engine it builds: :meth:`close` (or a
+    ``with`` block) frees the model the engine loaded from ``model_path`` and leaves an ``llm=``
+    it was given open::
+
+        with SelfRAGPack(model_path="selfrag_llama2_7b.q4_k_m.gguf", retriever=retriever) as pack:
+            print(pack.run("How do descriptors work?"))
     """
 
     def __init__(
@@ -52,3 +57,14 @@ class SelfRAGPack(BaseLlamaPack):
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """Query the engine: ``pack.run("question")``."""
         return self.query_engine.query(*args, **kwargs)
+
+    def close(self) -> None:
+        """Close the engine the pack built (the critic and the model it loaded; see
+        :meth:`SelfRAGQueryEngine.close`). Safe to call twice."""
+        self.query_engine.close()
+
+    def __enter__(self) -> SelfRAGPack:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

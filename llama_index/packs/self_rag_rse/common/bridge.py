@@ -9,6 +9,8 @@ Three situations, one helper each:
   :func:`run_sync` runs the coroutine on one private event loop in a daemon thread. One loop for
   the process, so async clients an LLM caches (bound to the loop that created them) keep working
   across calls, and it works the same whether or not the caller is inside a running loop.
+* **Async streams from sync code** (a streamed answer read by ``query``): :func:`iterate_sync`
+  awaits each item on the same private loop.
 * **Blocking native work from async code** (llama.cpp decoding): :class:`SerialWorker` runs it
   on one dedicated thread per model, so decoding never competes with itself for the cores and
   calls reach the native library in order.
@@ -21,7 +23,7 @@ import concurrent.futures
 import contextvars
 import functools
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -68,9 +70,11 @@ class _LoopThread:
             )
         context = contextvars.copy_context()  # keep the caller's instrumentation span
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        tasks: list[asyncio.Task[T]] = []
 
         def start() -> None:
             task = context.run(loop.create_task, coro)
+            tasks.append(task)
 
             def finish(t: asyncio.Task[T]) -> None:
                 if t.cancelled():
@@ -83,7 +87,12 @@ class _LoopThread:
             task.add_done_callback(finish)
 
         loop.call_soon_threadsafe(start)
-        return done.result()
+        try:
+            return done.result()
+        except BaseException:
+            # The caller gave up (Ctrl-C): stop the work instead of leaving it to run on.
+            loop.call_soon_threadsafe(lambda: [task.cancel() for task in tasks])
+            raise
 
     def _ensure(self) -> asyncio.AbstractEventLoop:
         with self._lock:
@@ -107,6 +116,28 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     this is safe inside a running event loop (e.g. a notebook) too.
     """
     return _LOOP.run(coro)
+
+
+def iterate_sync(stream: AsyncIterator[T]) -> Iterator[T]:
+    """Iterate an async iterator from synchronous code, item by item, on the private loop.
+
+    Each item is awaited with :func:`run_sync` as the caller asks for it, so a token stream
+    reaches a synchronous consumer as it is produced; stopping early closes the stream.
+    """
+
+    async def next_item() -> T:
+        return await stream.__anext__()
+
+    try:
+        while True:
+            try:
+                yield run_sync(next_item())
+            except StopAsyncIteration:
+                return
+    finally:
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            run_sync(close())
 
 
 class SerialWorker:

@@ -8,14 +8,20 @@ computed from, the kind of result, the model (class and name) and the settings t
 The store is any LlamaIndex key-value store (``SimpleKVStore`` in memory by default; Redis,
 MongoDB, Postgres, ... through their integration packages), or a folder, which keeps a
 ``SimpleKVStore`` persisted as ``<folder>/context_cache.json``. Several components may share one
-cache: their entries live in separate collections.
+cache: their entries live in separate collections. The file is replaced atomically (written
+beside it, then renamed over it), so a crash mid-write leaves the previous cache whole; a file
+that is damaged all the same (cut short by another tool, edited by hand) is named in a warning
+and the cache starts empty: its entries are computed again, and the next write replaces it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +29,8 @@ from llama_index.core.storage.kvstore import SimpleKVStore
 from llama_index.core.storage.kvstore.types import BaseKVStore
 
 __all__ = ["CACHE_FILE_NAME", "ContextCache", "model_id"]
+
+logger = logging.getLogger(__name__)
 
 CACHE_FILE_NAME = "context_cache.json"
 _COLLECTION_PREFIX = "self_rag_rse_context"
@@ -45,11 +53,10 @@ class ContextCache:
 
     @classmethod
     def from_dir(cls, folder: str | os.PathLike[str]) -> ContextCache:
-        """A cache kept in ``folder`` (created when missing), loaded if it exists."""
+        """A cache kept in ``folder`` (created when missing), loaded if it exists; a damaged
+        file is warned about (with its path) and the cache starts empty."""
         path = Path(folder) / CACHE_FILE_NAME
-        if path.is_file():
-            return cls(SimpleKVStore.from_persist_path(str(path)), persist_path=str(path))
-        return cls(SimpleKVStore(), persist_path=str(path))
+        return cls(_load(path), persist_path=str(path))
 
     @classmethod
     def coerce(cls, value: Any) -> ContextCache:
@@ -88,14 +95,58 @@ class ContextCache:
         self._dirty = True
 
     def persist(self) -> None:
-        """Write the cache to its folder, if it has one and something new was cached."""
+        """Write the cache to its folder, if it has one and something new was cached.
+
+        Atomic: the store is written to a temporary file in the same folder, flushed to disk and
+        renamed over the old file, so an interrupted write never leaves half a file behind.
+        """
         if self.persist_path is None or not self._dirty:
             return
-        Path(self.persist_path).parent.mkdir(parents=True, exist_ok=True)
         persist = getattr(self.store, "persist", None)
         if persist is not None:
-            persist(self.persist_path)
+            path = Path(self.persist_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Same folder: a rename within one file system is atomic.
+            temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+            try:
+                persist(str(temporary))
+                with temporary.open("rb+") as handle:
+                    os.fsync(handle.fileno())
+                os.replace(temporary, path)
+            except BaseException:  # a crash (KeyboardInterrupt too) leaves the old file alone
+                with contextlib.suppress(OSError):
+                    temporary.unlink()
+                raise
         self._dirty = False
+
+
+def _load(path: Path) -> SimpleKVStore:
+    """The store kept at ``path``: empty when there is none, or when it is damaged (warned)."""
+    if not path.is_file():
+        return SimpleKVStore()
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        problem = f"{type(exc).__name__}: {exc}"
+    else:
+        if _well_formed(data):
+            return SimpleKVStore(data)
+        problem = "not an object of collections of JSON objects"
+    logger.warning(
+        "context cache %s is damaged (%s; a write cut short?): starting with an empty cache, "
+        "so its entries are computed again; the next write replaces the file",
+        path,
+        problem,
+    )
+    return SimpleKVStore()
+
+
+def _well_formed(data: Any) -> bool:
+    """Whether ``data`` has the shape a ``SimpleKVStore`` file has: collection -> key -> object."""
+    return isinstance(data, dict) and all(
+        isinstance(entries, dict) and all(isinstance(v, dict) for v in entries.values())
+        for entries in data.values()
+    )
 
 
 def model_id(llm: Any) -> str:

@@ -22,16 +22,18 @@ from pathlib import PurePath
 from typing import Any, Literal
 
 from llama_index.core.async_utils import run_jobs
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, SerializeAsAny
+from llama_index.core.bridge.pydantic import Field, SerializeAsAny
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.llms import LLM
 from llama_index.core.prompts import BasePromptTemplate
-from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
+from llama_index.core.schema import BaseNode, MetadataMode
 
 from llama_index.packs.self_rag_rse.common.bridge import run_sync
 from llama_index.packs.self_rag_rse.common.options import pydantic_fields, reject_unknown
 from llama_index.packs.self_rag_rse.context.cache import ContextCache, model_id
+from llama_index.packs.self_rag_rse.context.component import ContextComponent
 from llama_index.packs.self_rag_rse.context.compose import compose_header, section_label
+from llama_index.packs.self_rag_rse.context.inputs import check_chunks
 from llama_index.packs.self_rag_rse.context.keys import (
     DOCUMENT_HEADING_KEY,
     DOCUMENT_SUMMARY_KEY,
@@ -60,11 +62,12 @@ MAX_TITLE_CHARS = 120
 MAX_SUMMARY_CHARS = 300
 
 
-class ContextualHeaders(TransformComponent):
+class ContextualHeaders(ContextComponent):
     """Compose each chunk's header (document title, optional summaries, section) for embedding.
 
     Put it after the sectioner (or any splitter) and :class:`ChunkIndexer`, right before the
-    embedding model. The document title comes from the first of ``title_sources`` that has one:
+    embedding model; whole documents (a reader's ``Document``, before the splitter) raise
+    ``ValueError``. The document title comes from the first of ``title_sources`` that has one:
 
     - ``"metadata"``: the first of ``title_keys`` set on the document (a title you give wins);
     - ``"heading"``: the document's own title heading, found by :class:`DocumentSectioner`;
@@ -124,9 +127,6 @@ class ContextualHeaders(TransformComponent):
         description="Prompt for a section summary, with {title}, {section} and {text}.",
     )
 
-    _cache: ContextCache = PrivateAttr()
-    _usage: ContextUsage = PrivateAttr(default_factory=ContextUsage)
-
     def __init__(self, *, cache: Any = None, **kwargs: Any) -> None:
         # Pydantic would drop a misspelt option silently and use its default.
         reject_unknown(type(self).__name__, kwargs, pydantic_fields(type(self)) | set(_PARTS))
@@ -154,16 +154,6 @@ class ContextualHeaders(TransformComponent):
         """Name used in serialisation."""
         return "ContextualHeaders"
 
-    @property
-    def usage(self) -> ContextUsage:
-        """What the last call cost (documents, LLM calls, cache hits)."""
-        return self._usage
-
-    @property
-    def cache(self) -> ContextCache:
-        """The per-document cache of LLM titles and summaries."""
-        return self._cache
-
     # -- TransformComponent -------------------------------------------------------------------
     @dispatcher.span
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
@@ -173,6 +163,7 @@ class ContextualHeaders(TransformComponent):
     @dispatcher.span
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         """Async :meth:`__call__`."""
+        check_chunks(type(self).__name__, nodes)
         started = time.perf_counter()
         show_progress = bool(kwargs.get("show_progress", False))
         documents = _by_document(nodes)

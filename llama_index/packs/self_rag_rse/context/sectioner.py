@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from llama_index.core.async_utils import run_jobs
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, SerializeAsAny
+from llama_index.core.bridge.pydantic import Field, SerializeAsAny
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.llms import LLM
 from llama_index.core.node_parser import SentenceSplitter
@@ -38,7 +38,9 @@ from llama_index.core.schema import (
 from llama_index.packs.self_rag_rse.common.bridge import run_sync
 from llama_index.packs.self_rag_rse.common.options import pydantic_fields, reject_unknown
 from llama_index.packs.self_rag_rse.context.cache import ContextCache, model_id
+from llama_index.packs.self_rag_rse.context.component import ContextComponent
 from llama_index.packs.self_rag_rse.context.headings import heading_sections
+from llama_index.packs.self_rag_rse.context.inputs import check_documents
 from llama_index.packs.self_rag_rse.context.keys import (
     DOCUMENT_HEADING_KEY,
     SECTION_INDEX_KEY,
@@ -73,11 +75,12 @@ class _Plan:
     source: str
 
 
-class DocumentSectioner(TransformComponent):
+class DocumentSectioner(ContextComponent):
     """Cut documents into titled sections and chunk each section with ``splitter``.
 
     It takes the splitter's place in an ``IngestionPipeline``: documents in, chunks out, no chunk
-    crossing a section boundary. Two strategies:
+    crossing a section boundary. Nodes that are already chunks (a splitter ran before it) raise
+    ``ValueError``: their sections would get offsets inside the chunk. Two strategies:
 
     - ``"headings"`` (default; offline, free, deterministic): sections start at the document's
       headings (Markdown ``#``, reST/pydoc underlines, numbered headings) and are titled by them,
@@ -148,9 +151,6 @@ class DocumentSectioner(TransformComponent):
         description="Prompt of the 'llm' strategy, with {first}, {last} and {lines}.",
     )
 
-    _cache: ContextCache = PrivateAttr()
-    _usage: ContextUsage = PrivateAttr(default_factory=ContextUsage)
-
     def __init__(self, *, cache: Any = None, **kwargs: Any) -> None:
         # Pydantic would drop a misspelt option silently and use its default.
         reject_unknown(type(self).__name__, kwargs, pydantic_fields(type(self)) | set(_PARTS))
@@ -178,20 +178,11 @@ class DocumentSectioner(TransformComponent):
         """Name used in serialisation."""
         return "DocumentSectioner"
 
-    @property
-    def usage(self) -> ContextUsage:
-        """What the last call cost (documents, LLM calls, cache hits, rejected windows)."""
-        return self._usage
-
-    @property
-    def cache(self) -> ContextCache:
-        """The per-document cache of LLM sectionings."""
-        return self._cache
-
     # -- TransformComponent -----------------------------------------------------------------
     @dispatcher.span
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         """Documents in, section-bounded chunks out."""
+        check_documents(type(self).__name__, nodes)
         if self.strategy == "llm":
             return run_sync(self.acall(nodes, **kwargs))
         started = time.perf_counter()
@@ -202,6 +193,7 @@ class DocumentSectioner(TransformComponent):
     @dispatcher.span
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         """Async :meth:`__call__`: LLM calls for several documents run concurrently."""
+        check_documents(type(self).__name__, nodes)
         started = time.perf_counter()
         self._usage = ContextUsage(documents=len(nodes))
         if self.strategy == "headings":

@@ -12,6 +12,7 @@ keep their meaning); the header is metadata that core's machinery puts first in 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from llama_index.core.schema import BaseNode
 
@@ -36,10 +37,25 @@ def segment_header(node: BaseNode, members: Sequence[BaseNode] = ()) -> str:
     """
     sources = list(members) or [node]
     first = sources[0].metadata
-    title = first.get(DOCUMENT_TITLE_KEY) or node.metadata.get(DOCUMENT_TITLE_KEY)
-    summary = first.get(DOCUMENT_SUMMARY_KEY) or node.metadata.get(DOCUMENT_SUMMARY_KEY)
-    paths = [tuple(m.metadata.get(SECTION_PATH_KEY) or ()) for m in sources]
+    title = _text(first, DOCUMENT_TITLE_KEY) or _text(node.metadata, DOCUMENT_TITLE_KEY)
+    summary = _text(first, DOCUMENT_SUMMARY_KEY) or _text(node.metadata, DOCUMENT_SUMMARY_KEY)
+    paths = [_path(m.metadata) for m in sources]
     return compose_segment_header(title, summary, [p for p in paths if p])
+
+
+def _text(metadata: dict[str, Any], key: str) -> str | None:
+    """A non-empty text value, else ``None`` (other types, numpy arrays included, are not
+    header text, and are never tested for truth)."""
+    value = metadata.get(key)
+    return value if isinstance(value, str) and value.strip() else None
+
+
+def _path(metadata: dict[str, Any]) -> tuple[str, ...]:
+    """The section path: a list or tuple of texts, else empty."""
+    value = metadata.get(SECTION_PATH_KEY)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) for p in value):
+        return ()
+    return tuple(value)
 
 
 def add_segment_header(node: BaseNode, members: Sequence[BaseNode] = ()) -> BaseNode:

@@ -1,28 +1,18 @@
 """Counting the answering model's calls during a query, through LlamaIndex instrumentation.
 
-Two kinds of call reach the answering model:
-
-* **LLM requests**: ``LLMChatStartEvent`` / ``LLMCompletionStartEvent`` of any LlamaIndex LLM. A
-  request made inside another one (``LlamaCPP.chat`` calls its own ``complete``, and both emit a
-  start event) counts once: a context variable tracks the nesting depth, per thread and per
-  asyncio task, so concurrent requests are still counted apart.
-* **Critic operations served without an LLM request**: a Self-RAG critic running in process on
-  llama.cpp decodes directly (a retrieval decision, one judgement of all paragraphs in batched
-  decodes, one generation), and no LLM event is emitted. Each span of a
-  :class:`~llama_index.packs.self_rag_rse.self_rag.contract.Critic` method (``adecide_retrieval``,
-  ``ajudge``, ``agenerate``) in which no LLM request happened counts as one call. A critic that
-  goes through an LLM (a served model) is counted by its LLM requests instead, never twice.
-
-Every critic of this package emits these spans (prompted, reflection in process, served
-reflection); a critic of your own is seen once its three methods carry ``@dispatcher.span``.
+**LLM requests** are the ``LLMChatStartEvent``/``LLMCompletionStartEvent`` of any LlamaIndex LLM;
+one made inside another (``LlamaCPP.chat`` calls its own ``complete``) counts once, by a nesting
+depth in a context variable (per thread and asyncio task). **Critic operations** of a Self-RAG
+critic decoding in process emit no LLM event: each span of a :class:`BaseCritic` method
+(``adecide_retrieval``, ``ajudge``, ``agenerate``) in which no LLM request happened counts as one
+call, so a critic on an LLM (a served model) is counted by its requests, never twice. A critic
+of yours is seen once its three methods carry ``@dispatcher.span``.
 """
 
 from __future__ import annotations
 
 import contextvars
-import inspect
 import threading
-from types import TracebackType
 from typing import Any
 
 from llama_index.core.instrumentation import get_dispatcher
@@ -34,8 +24,9 @@ from llama_index.core.instrumentation.events.llm import (
     LLMCompletionEndEvent,
     LLMCompletionStartEvent,
 )
-from llama_index.core.instrumentation.span import BaseSpan
-from llama_index.core.instrumentation.span_handlers import BaseSpanHandler
+from llama_index.core.instrumentation.span_handlers import NullSpanHandler
+
+from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic
 
 #: Methods of the critic contract whose spans count as model calls.
 CRITIC_METHODS = frozenset({"adecide_retrieval", "ajudge", "agenerate"})
@@ -81,101 +72,52 @@ class ModelCallCounter:
             }
 
     def __enter__(self) -> ModelCallCounter:
-        root = get_dispatcher()
-        root.add_event_handler(self._events)
-        root.add_span_handler(self._spans)
+        get_dispatcher().add_event_handler(self._events)
+        get_dispatcher().add_span_handler(self._spans)
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         root = get_dispatcher()
-        if self._events in root.event_handlers:
-            root.event_handlers.remove(self._events)
-        if self._spans in root.span_handlers:
-            root.span_handlers.remove(self._spans)
+        root.event_handlers[:] = [h for h in root.event_handlers if h is not self._events]
+        root.span_handlers[:] = [h for h in root.span_handlers if h is not self._spans]
 
-    # -- called by the sinks ----------------------------------------------------------------
     def _on_event(self, event: BaseEvent) -> None:
-        if isinstance(event, (LLMChatStartEvent, LLMCompletionStartEvent)):
-            depth = _DEPTH.get()
-            _DEPTH.set(depth + 1)
-            if depth:
-                return  # a request made by a request already counted
-            with self._lock:
-                self._llm += 1
-                span: str | None = event.span_id
-                while span is not None:
-                    if span in self._critic_spans:
-                        self._critic_with_llm.add(span)
-                    span = self._parents.get(span)
-        elif isinstance(event, (LLMChatEndEvent, LLMCompletionEndEvent)):
+        if isinstance(event, (LLMChatEndEvent, LLMCompletionEndEvent)):
             _DEPTH.set(max(0, _DEPTH.get() - 1))
+        if not isinstance(event, (LLMChatStartEvent, LLMCompletionStartEvent)):
+            return
+        depth = _DEPTH.get()
+        _DEPTH.set(depth + 1)
+        if depth:
+            return  # a request made by a request already counted
+        with self._lock:
+            self._llm += 1
+            span: str | None = event.span_id
+            while span is not None:
+                if span in self._critic_spans:
+                    self._critic_with_llm.add(span)
+                span = self._parents.get(span)
 
     def _on_span(self, id_: str, parent: str | None, instance: Any) -> None:
-        method = id_.rsplit("-", 5)[0].rsplit(".", 1)[-1]
-        is_critic = method in CRITIC_METHODS and _is_critic(instance)
+        method = id_.rsplit("-", 5)[0].rsplit(".", 1)[-1]  # "Class.method-<uuid>"
         with self._lock:
             self._parents[id_] = parent
-            if is_critic:
+            if method in CRITIC_METHODS and isinstance(instance, BaseCritic):
                 self._critic_spans.add(id_)
-
-
-def _is_critic(instance: Any) -> bool:
-    from llama_index.packs.self_rag_rse.self_rag.contract import Critic
-
-    return instance is not None and isinstance(instance, Critic)
 
 
 class _EventSink(BaseEventHandler):
     owner: Any = None
 
-    @classmethod
-    def class_name(cls) -> str:
-        return "ModelCallCounterEvents"
-
     def handle(self, event: BaseEvent, **kwargs: Any) -> None:
         self.owner._on_event(event)
 
 
-class _SpanSink(BaseSpanHandler[BaseSpan]):
+class _SpanSink(NullSpanHandler):
+    """Sees each span open (with the instance whose method it wraps); keeps no span."""
+
     owner: Any = None
 
-    @classmethod
-    def class_name(cls) -> str:
-        return "ModelCallCounterSpans"
-
-    def new_span(
-        self,
-        id_: str,
-        bound_args: inspect.BoundArguments,
-        instance: Any | None = None,
-        parent_span_id: str | None = None,
-        tags: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> BaseSpan | None:
-        self.owner._on_span(id_, parent_span_id, instance)
-        return None
-
-    def prepare_to_exit_span(
-        self,
-        id_: str,
-        bound_args: inspect.BoundArguments,
-        instance: Any | None = None,
-        result: Any | None = None,
-        **kwargs: Any,
-    ) -> BaseSpan | None:
-        return None
-
-    def prepare_to_drop_span(
-        self,
-        id_: str,
-        bound_args: inspect.BoundArguments,
-        instance: Any | None = None,
-        err: BaseException | None = None,
-        **kwargs: Any,
-    ) -> BaseSpan | None:
-        return None
+    def span_enter(self, *args: Any, **kwargs: Any) -> None:
+        """Record the span (the dispatcher passes ``id_``, ``instance``, ``parent_id`` by name)."""
+        self.owner._on_span(kwargs["id_"], kwargs.get("parent_id"), kwargs.get("instance"))

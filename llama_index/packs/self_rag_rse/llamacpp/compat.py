@@ -75,6 +75,17 @@ def is_closed(llama: llama_cpp.Llama) -> bool:
     return False
 
 
+def closed_check(llama: llama_cpp.Llama) -> Callable[[], bool]:
+    """:func:`is_closed` for this ``Llama`` as a function that does not keep the ``Llama`` alive.
+
+    It holds llama-cpp-python's model wrapper only, which that wrapper's own exit stack already
+    keeps in a reference cycle: an :func:`on_close` callback may hold it without making the
+    ``Llama`` outlive its users' last reference.
+    """
+    wrapper = _internal_model(llama)
+    return lambda: getattr(wrapper, "model", None) is None
+
+
 def model_pointer(llama: llama_cpp.Llama) -> Any:
     """The native ``llama_model *`` the ``Llama`` holds."""
     return _internal_model(llama).model
@@ -92,6 +103,11 @@ def on_close(llama: llama_cpp.Llama, callback: Callable[[], None]) -> bool:
     get the callback on ``Llama._stack``, which hears ``Llama.close()`` only. The callback may
     block (to let a running decode finish): the model is freed after it returns. Returns False
     when neither stack exists (then closing is not observed).
+
+    The stack holds ``callback`` strongly until the model is freed, so it must not reach the
+    ``Llama`` (that would keep it alive) and should not reach its caller through a weak
+    reference: when both become garbage together (a script's globals at exit, a reference
+    cycle), the garbage collector clears weak references before it frees the model.
     """
     wrapper = getattr(llama, "_model", None)
     stack = getattr(wrapper, "_exit_stack", None)

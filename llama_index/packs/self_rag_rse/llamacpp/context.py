@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -128,6 +129,10 @@ class NativeContext:
 
     Not thread-safe: the owning decoder serialises every call. ``epoch`` changes whenever the KV
     cache is emptied (cleared, recreated or freed), so holders of sequences know to forget them.
+
+    It keeps no reference to the ``Llama`` (only to the native model and a check of whether it
+    was freed), so the callback that frees it before the model (:func:`.compat.on_close`) may
+    hold it without keeping the ``Llama`` alive.
     """
 
     def __init__(
@@ -142,8 +147,13 @@ class NativeContext:
         n_seq_max: int,
     ) -> None:
         self.lib = compat.import_llama_cpp("the batched decoder")
-        self.llm = llm
+        #: Whether the Llama's model was freed (see :func:`.compat.closed_check`).
+        self.model_closed = compat.closed_check(llm)
         self.model = compat.model_pointer(llm)
+        # Bound now: at interpreter exit the llama_cpp module's globals may be gone when the
+        # context is freed.
+        self._llama_free = self.lib.llama_free
+        self._llama_batch_free = self.lib.llama_batch_free
         self.vocab = self.lib.llama_model_get_vocab(self.model)
         self.n_vocab = int(llm.n_vocab())
         self.n_batch = n_batch
@@ -167,7 +177,7 @@ class NativeContext:
         #: Whether decoding fewer sequences at a time was already reported (once per context).
         self.narrowing_reported = False
 
-    # --- creation -------------------------------------------------------------------------------
+    # --- creation ---------------------------------------------------------------------------------
 
     def fits(self, cells: int, sequences: int) -> bool:
         """Whether the current context holds ``cells`` (per stream when split) and ``sequences``."""
@@ -221,18 +231,21 @@ class NativeContext:
     def free(self) -> None:
         """Free the context and batch (the KV cache with them)."""
         if self._batch is not None:
-            self.lib.llama_batch_free(self._batch)
+            self._llama_batch_free(self._batch)
             self._batch = None
         if self.ctx is not None:
-            if compat.is_closed(self.llm):
+            if self.model_closed():
                 # The model was freed without telling us (no exit stack to hook): llama_free
-                # would read it. Leaking the context is the safe choice.
-                logger.warning(
+                # would read it. Leaking the context is the safe choice; at interpreter exit
+                # the process frees it a moment later, so only a leak during the program's
+                # life is worth a warning.
+                report = logger.debug if sys.is_finalizing() else logger.warning
+                report(
                     "the llama.cpp model was freed before the batched decoder's context; "
                     "the context is leaked: close the decoder before the Llama"
                 )
             else:
-                self.lib.llama_free(self.ctx)
+                self._llama_free(self.ctx)
             self.ctx = None
             self.n_cells = 0
             self.n_streams = 0
@@ -309,7 +322,7 @@ class NativeContext:
             lib.llama_memory_seq_rm(mem, dst, length, -1)
         self.stats.kv_copies += 1
 
-    # --- decoding -------------------------------------------------------------------------------
+    # --- decoding ---------------------------------------------------------------------------------
 
     def decode(self, entries: list[Entry]) -> None:
         """Evaluate ``(token, pos, seq_id, want_logits)`` entries in one ``llama_decode`` call."""

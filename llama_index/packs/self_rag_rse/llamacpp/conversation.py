@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import NDArray
@@ -33,6 +32,7 @@ from llama_index.packs.self_rag_rse.llamacpp.context import (
     ContextCreationError,
     DecodeError,
     Entry,
+    NativeContext,
 )
 from llama_index.packs.self_rag_rse.llamacpp.plan import (
     MIN_SHARED_TOKENS,
@@ -41,7 +41,7 @@ from llama_index.packs.self_rag_rse.llamacpp.plan import (
     assign,
     plan,
 )
-from llama_index.packs.self_rag_rse.llamacpp.session import (
+from llama_index.packs.self_rag_rse.llamacpp.sequences import (
     Request,
     SequenceOutput,
     Slot,
@@ -51,15 +51,29 @@ from llama_index.packs.self_rag_rse.llamacpp.session import (
     track_array,
 )
 
-if TYPE_CHECKING:
-    from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder
-
 logger = logging.getLogger(__name__)
 
 #: With a split KV cache, a generating sequence is moved to fill a gap in the ids being decoded
 #: (llama.cpp decodes only consecutive ids in one pass) if it may still need this many steps:
 #: the move copies one stream, a gap costs one more pass over the weights per step.
 MIN_STEPS_TO_MOVE = 4
+
+
+@dataclass(frozen=True)
+class ConversationSettings:
+    """What a conversation needs to know of the decoder that holds it.
+
+    ``n_ctx`` positions per sequence, ``n_seq_max`` sequences at once, ``n_batch`` tokens per
+    ``llama_decode``, whether prefixes are shared (see
+    :class:`~llama_index.packs.self_rag_rse.llamacpp.decoder.BatchedDecoder`), and
+    ``check_open``, which raises once the model was closed.
+    """
+
+    n_ctx: int
+    n_seq_max: int
+    n_batch: int
+    share_prefixes: bool
+    check_open: Callable[[], None]
 
 
 @dataclass
@@ -72,20 +86,22 @@ class _Prompt:
     stops: frozenset[int]
     keep: bool
     truncated: int
+    on_token: Callable[[list[int]], None] | None = None
 
 
 class Conversation:
-    """Decoding calls whose KV cache carries over (see :meth:`BatchedDecoder.conversation`).
+    """Decoding calls whose KV cache carries over (see
+    :meth:`~llama_index.packs.self_rag_rse.llamacpp.decoder.BatchedDecoder.conversation`).
 
     Use it inside its ``with`` block only; the decoder is held meanwhile.
     """
 
-    def __init__(self, decoder: BatchedDecoder) -> None:
-        self._decoder = decoder
-        self._native = decoder._native
+    def __init__(self, native: NativeContext, settings: ConversationSettings) -> None:
+        self._settings = settings
+        self._native = native
         self._held: dict[int, Held] = {}  # sequence id -> what it holds, oldest first
         self._epoch = -1
-        self._width = decoder.n_seq_max  # prompts per group; halved when no context fits
+        self._width = settings.n_seq_max  # prompts per group; halved when no context fits
         self._closed = False
 
     @property
@@ -105,7 +121,7 @@ class Conversation:
         """
         if self._closed:
             raise RuntimeError("the conversation is closed: use it inside its `with` block only")
-        self._decoder.check_open()
+        self._settings.check_open()
         prompts = [self._checked(r) for r in requests]
         outputs: list[SequenceOutput | None] = [None] * len(prompts)
         stats = self._native.stats
@@ -163,11 +179,11 @@ class Conversation:
             for out, p in zip(outputs, prompts, strict=True)
         ]
 
-    # --- planning ---------------------------------------------------------------------------
+    # --- planning ---------------------------------------------------------------------------------
 
     def _checked(self, request: Request) -> _Prompt:
         tokens = [int(t) for t in request.tokens]
-        n_ctx = self._decoder.n_ctx
+        n_ctx = self._settings.n_ctx
         if not tokens:
             raise ValueError("a prompt must hold at least one token (usually BOS)")
         if request.max_new_tokens < 0:
@@ -184,6 +200,7 @@ class Conversation:
             frozenset(int(t) for t in request.stop_ids),
             request.keep,
             request.truncated,
+            request.on_token,
         )
 
     def _sync(self) -> None:
@@ -216,15 +233,15 @@ class Conversation:
 
     def _prepare(self, group: list[int], prompts: list[_Prompt]) -> Plan:
         """Plan the group, make room for it, and make sure the context fits it."""
-        native, decoder = self._native, self._decoder
+        native, settings = self._native, self._settings
         self._sync()
-        if not decoder.share_prefixes and self._held:
+        if not settings.share_prefixes and self._held:
             self._forget()  # nothing held is of use, and it takes room
         tokens = [prompts[r].tokens for r in group]
         generating = {i for i, r in enumerate(group) if prompts[r].max_new > 1}
-        capacity = decoder.n_seq_max
+        capacity = settings.n_seq_max
         while True:
-            group_plan = plan(tokens, self._held, share=decoder.share_prefixes)
+            group_plan = plan(tokens, self._held, share=settings.share_prefixes)
             n_fresh = len(group) - len(group_plan.claimed)
             if len(self._held) + n_fresh > capacity:
                 victim = self._victim(group_plan)
@@ -270,7 +287,7 @@ class Conversation:
             return max(lengths), len(group)
         return max(lengths), max([*self._held, *group_plan.seq_of.values()]) + 1
 
-    # --- execution --------------------------------------------------------------------------
+    # --- execution --------------------------------------------------------------------------------
 
     def _execute(
         self,
@@ -291,6 +308,7 @@ class Conversation:
                 prompts[r].stops,
                 truncated=prompts[r].truncated,
                 keep=prompts[r].keep,
+                on_token=prompts[r].on_token,
             )
             for i, r in enumerate(group)
         ]
@@ -363,7 +381,7 @@ class Conversation:
         """
         native = self._native
         stats = native.stats
-        n_batch = self._decoder.n_batch
+        n_batch = self._settings.n_batch
         while True:
             live = sorted(
                 (s for s in slots if s.finish_reason is None and not (prefill and s.tokens)),

@@ -24,19 +24,24 @@ prefill and token-by-token paths differ by up to ~0.2 nats on likely tokens, so 
 greedy decoding can part ways at a near tie. With F32 weights (the tests' model) batched, serial,
 shared and separate evaluation and a ``logits_all`` reference agree to ~1e-5.
 
-The module knows nothing about Self-RAG; :mod:`.reflection_critic` builds the prompts.
+The module knows nothing about Self-RAG: :mod:`.reflection_critic` and :mod:`.backend` build the
+prompts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import sys
 import threading
 import warnings
-import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
+
+import numpy as np
+from numpy.typing import NDArray
 
 from llama_index.packs.self_rag_rse.llamacpp import compat
 from llama_index.packs.self_rag_rse.llamacpp.context import (
@@ -45,9 +50,8 @@ from llama_index.packs.self_rag_rse.llamacpp.context import (
     DecodeStats,
     NativeContext,
 )
-from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
-from llama_index.packs.self_rag_rse.llamacpp.session import (
-    PromptSession,
+from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation, ConversationSettings
+from llama_index.packs.self_rag_rse.llamacpp.sequences import (
     Request,
     SequenceOutput,
     fit_suffixes,
@@ -173,22 +177,21 @@ class BatchedDecoder:
             n_seq_max=n_seq_max,
         )
         self.n_vocab: int = self._native.n_vocab
+        self._settings = ConversationSettings(
+            n_ctx=self.n_ctx,
+            n_seq_max=n_seq_max,
+            n_batch=n_batch,
+            share_prefixes=share_prefixes,
+            check_open=self.check_open,
+        )
         # Re-entrant so code inside a ``session`` or ``conversation`` block may also call
         # ``generate`` (which empties the KV cache; the block's next call notices and re-reads).
         # Every use of the native context or batch, and freeing them, happens under this lock.
         self._lock = threading.RLock()
-        self._closed_model = False
         # Free our context before llama-cpp-python frees the model it points to (its exit
-        # stacks run callbacks last-in first-out). A weak reference keeps the Llama from
-        # keeping this decoder alive.
-        ref = weakref.ref(self)
-
-        def _before_model_is_freed() -> None:
-            decoder = ref()
-            if decoder is not None:
-                decoder._model_closing()
-
-        compat.on_close(llm, _before_model_is_freed)
+        # stacks run callbacks last-in first-out). The callback holds the context and the lock,
+        # never this decoder or the Llama: see _free_before_model.
+        compat.on_close(llm, functools.partial(_free_before_model, self._native, self._lock))
 
     # --- public API ----------------------------------------------------------------------------
 
@@ -200,7 +203,7 @@ class BatchedDecoder:
     @property
     def closed_model(self) -> bool:
         """Whether the ``Llama`` this decoder runs on has closed (or is closing) its model."""
-        return self._closed_model or compat.is_closed(self._llm)
+        return self._native.closing or compat.is_closed(self._llm)
 
     def check_open(self) -> None:
         """Raise :class:`~.compat.ModelClosedError` if the ``Llama``'s model was closed.
@@ -233,7 +236,7 @@ class BatchedDecoder:
     def conversation(self) -> Iterator[Conversation]:
         """Hold the decoder for several calls whose KV cache carries over.
 
-        ``conversation.run(requests)`` decodes :class:`~.session.Request` objects (full prompts);
+        ``conversation.run(requests)`` decodes :class:`~.sequences.Request` objects (full prompts);
         what one call evaluated stays in the KV cache for the next, so a later prompt that
         begins with an earlier prompt (and its generated tokens) evaluates only the rest::
 
@@ -247,7 +250,7 @@ class BatchedDecoder:
         self.check_open()
         with self._lock:
             self.check_open()  # again: the model may have been closed while we waited
-            conversation = Conversation(self)
+            conversation = Conversation(self._native, self._settings)
             try:
                 yield conversation
             finally:
@@ -380,20 +383,77 @@ class BatchedDecoder:
         with contextlib.suppress(Exception):
             self._native.free()
 
-    # --- lifetime ------------------------------------------------------------------------------
 
-    def _model_closing(self) -> None:
-        """The ``Llama`` is about to free its model: free our context first.
+def _free_before_model(native: NativeContext, lock: threading.RLock) -> None:
+    """The ``Llama`` is about to free its model: free the decoder's context first.
 
-        The flag is set before taking the lock, so a call running in another thread stops at
-        its next ``llama_decode`` (raising ModelClosedError) instead of finishing work nobody
-        can use; taking the lock then holds the model's release until that call has left.
+    Registered with :func:`.compat.on_close`, it holds the decoder's native context and lock
+    rather than the decoder. A weak reference to the decoder would not do: when the decoder and
+    the ``Llama`` become garbage together (a script that exits without closing them: its
+    globals are collected at interpreter exit), the garbage collector clears weak references
+    before it runs finalizers, so the model would be freed first and the context orphaned. The
+    context references neither the decoder nor the ``Llama``, so holding it keeps neither
+    alive; a decoder dropped earlier leaves only its emptied context here.
+
+    ``closing`` is set before taking the lock, so a call running in another thread stops at its
+    next ``llama_decode`` (raising ModelClosedError) instead of finishing work nobody can use;
+    taking the lock then holds the model's release until that call has left. At interpreter
+    exit the lock is not waited for (a daemon thread frozen while holding it never lets go):
+    if it is held, the context is left to the process's end.
+    """
+    native.closing = True
+    if not lock.acquire(blocking=not sys.is_finalizing()):
+        return
+    try:
+        native.free()
+    except Exception:
+        # The model is freed whatever happens here; raising would only make the user's
+        # Llama.close() fail.
+        logger.exception("could not free the batched decoder's llama.cpp context")
+    finally:
+        lock.release()
+
+
+class PromptSession:
+    """One prompt held in the decoder's KV cache (see :meth:`BatchedDecoder.session`).
+
+    Every call raises :class:`~llama_index.packs.self_rag_rse.llamacpp.compat.ModelClosedError`
+    once the ``Llama`` was closed, also when that happened inside the session's ``with`` block.
+    """
+
+    def __init__(self, conversation: Conversation, prompt: list[int]) -> None:
+        self._conversation = conversation
+        self._prompt = prompt
+        self._closed = False
+
+    def _run(self, request: Request) -> SequenceOutput:
+        if self._closed:
+            raise RuntimeError("the session is closed: use it inside its `with` block only")
+        (out,) = self._conversation.run([request])
+        if out.error is not None:
+            raise DecodeError(out.error)
+        return out
+
+    def logprobs(self, track_ids: Sequence[int]) -> NDArray[np.float64]:
+        """Full-vocabulary log-probs of ``track_ids`` for the token after the prompt."""
+        out = self._run(Request(self._prompt, 1, track_ids, keep=True))
+        return np.asarray(out.tracked_logprobs[0], dtype=np.float64)
+
+    def generate(
+        self,
+        max_new_tokens: int,
+        track_ids: Sequence[int] = (),
+        *,
+        forced: Sequence[int] = (),
+        stop_ids: Sequence[int] = (),
+        on_token: Callable[[list[int]], None] | None = None,
+    ) -> SequenceOutput:
+        """Greedy continuation after the prompt and the ``forced`` tokens (not part of the output).
+
+        Each call starts again from the bare prompt, so a session can try several forced
+        openings; the prompt is evaluated once for all of them (and for :meth:`logprobs`).
+        ``on_token`` gets the tokens generated so far after each step (see
+        :class:`~.sequences.Request`). Raises :class:`~.context.DecodeError` when llama.cpp fails.
         """
-        self._closed_model = True
-        self._native.closing = True
-        try:
-            self.close()
-        except Exception:
-            # The model is freed whatever happens here; raising would only make the user's
-            # Llama.close() fail.
-            logger.exception("could not free the batched decoder's llama.cpp context")
+        tokens = [*self._prompt, *(int(t) for t in forced)]
+        return self._run(Request(tokens, max_new_tokens, track_ids, stop_ids, on_token=on_token))

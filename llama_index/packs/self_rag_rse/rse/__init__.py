@@ -1,7 +1,9 @@
 """Relevant Segment Extraction (dsRAG) for LlamaIndex, in layers read bottom-up.
 
-- ``segments`` (the search), ``calibration``, ``stitching``, ``types``: numpy and text only;
-- ``chunk_index``, ``chunk_sources``, ``ordering``, ``segment_nodes``: adapters to LlamaIndex
-  nodes and stores;
+- ``segments`` (the search), ``values``, ``calibration``, ``stitching``, ``types``: numpy and
+  text only;
+- ``node_fields`` (what is read off a node, checked), ``chunk_index``, ``chunk_sources``,
+  ``ordering`` (the evidence on order), ``layout`` (chunks placed, holes, reads),
+  ``segment_nodes``: adapters to LlamaIndex nodes and stores;
 - ``postprocessor``: the user-facing ``RelevantSegmentPostprocessor``; ``plot``: a picture of it.
 """

@@ -191,7 +191,9 @@ def calibrate_minmax(scores: ArrayLike, low: float, high: float) -> float | Floa
             f"calibrate_minmax needs high > low, got low={low!r}, high={high!r}: low is the "
             "score of an unrelated chunk, high that of a clearly relevant one"
         )
-    scaled = (np.asarray(scores, dtype=np.float64) - low) / (high - low)
+    # A score near the float limit overflows to inf here, which clips to 1 like any high score.
+    with np.errstate(over="ignore"):
+        scaled = (np.asarray(scores, dtype=np.float64) - low) / (high - low)
     clipped = np.clip(scaled, 0.0, 1.0)
     if clipped.ndim == 0:
         return float(clipped)
@@ -274,7 +276,8 @@ def calibrate(
 ) -> FloatArray:
     """Turn ``scores`` into relevance with the calibration named ``method`` (or a callable).
 
-    A callable gets the scores as a float64 array and must return one relevance per score.
+    A callable gets the scores as a float64 array and must return one relevance per score
+    (anything else is a ``ValueError`` naming the callable).
     ``cosine_range`` is ``(low, high)`` for ``"cosine"``: similarities at or below ``low`` count
     0, at or above ``high`` 1; ``"cosine_adaptive"`` raises ``high`` to the best of ``scores``
     (pass one query's scores together).
@@ -282,5 +285,69 @@ def calibrate(
     check_calibration(method)
     values = np.asarray(scores, dtype=np.float64)
     if callable(method):
-        return np.asarray(method(values), dtype=np.float64)
+        name = getattr(method, "__name__", type(method).__name__)
+        returned = method(values)
+        try:
+            relevance = np.asarray(returned, dtype=np.float64)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"calibration {name} returned {returned!r}, not numbers: make it return one "
+                "relevance in [0, 1] per score"
+            ) from error
+        if relevance.shape != values.shape:
+            raise ValueError(
+                f"calibration {name} returned shape {relevance.shape} for scores of shape "
+                f"{values.shape}: make it return one relevance per score"
+            )
+        return relevance
     return CALIBRATIONS[method](values, cosine_range)
+
+
+def reject_nan(scores: list[float | None]) -> None:
+    """Raise ``ValueError`` if a score is NaN (it would otherwise hide among missing scores),
+    or not a number at all."""
+    for score in scores:
+        if score is None:
+            continue
+        try:
+            number = float(score) if np.ndim(score) == 0 else None
+        except (TypeError, ValueError):
+            number = None
+        if number is None:
+            raise ValueError(
+                f"node score {score!r} is not a number: give each NodeWithScore a float score "
+                "(or None)"
+            )
+        if math.isnan(number):
+            raise ValueError("node scores contain NaN: fix the retriever or reranker upstream")
+
+
+def node_relevance(
+    method: str | Callable[[FloatArray], ArrayLike],
+    scores: list[float | None],
+    cosine_range: tuple[float, float] = DEFAULT_COSINE_RANGE,
+) -> FloatArray:
+    """Relevance of each node from its score; a node without a score counts 1.
+
+    Only real scores are calibrated (a per-query calibration must not see stand-ins). Raises
+    ``ValueError`` on a NaN score, or when the calibration returns NaN or an infinity.
+    """
+    reject_nan(scores)
+    known = np.array([np.nan if s is None else float(s) for s in scores], dtype=np.float64)
+    scored = ~np.isnan(known)
+    relevance = np.ones(len(known))
+    if scored.any():
+        relevance[scored] = calibrate(method, known[scored], cosine_range)
+    if np.isnan(relevance).any():
+        raise ValueError(
+            "the calibration turned node scores into NaN: make it return a number in [0, 1] "
+            "for every score"
+        )
+    if np.isinf(relevance).any():
+        name = repr(method) if isinstance(method, str) else getattr(method, "__name__", "callable")
+        raise ValueError(
+            f"calibration {name} left an infinite relevance (a node scored +-inf): RSE needs "
+            "finite values; use a calibration that clips, such as 'cosine_adaptive' (the "
+            "default) or 'cohere', or give the nodes finite scores"
+        )
+    return relevance

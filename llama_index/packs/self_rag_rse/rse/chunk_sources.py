@@ -8,9 +8,10 @@ data lets the segment logic be written once and driven by either a sync or an as
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,13 @@ from llama_index.core.vector_stores.types import (
     MetadataFilters,
 )
 
+from llama_index.packs.self_rag_rse.common.stores import client_lock, in_thread, sync_client
+
 logger = logging.getLogger(__name__)
+
+#: Most chunks a read by chunk index asks for per index: a store can hold several chunks with
+#: one index (copies from re-ingests without stable ids), which the reader must see to choose.
+MAX_COPIES_READ = 8
 
 
 @dataclass
@@ -78,6 +85,10 @@ class ChunkSource:
     def run(self, request: ChunkRequest) -> Any:
         """Answer ``request`` with blocking calls."""
         self.calls += 1
+        with client_lock(self.vector_store):
+            return self._run(request)
+
+    def _run(self, request: ChunkRequest) -> Any:
         try:
             if request.kind == "ref_doc_ids":
                 assert self.docstore is not None
@@ -99,8 +110,14 @@ class ChunkSource:
 
     # -- async ------------------------------------------------------------------------------
     async def arun(self, request: ChunkRequest) -> Any:
-        """Answer ``request`` with the stores' async APIs."""
+        """Answer ``request`` with the stores' async APIs; a vector store with only a sync
+        client is read with it in a worker thread (see ``common/stores.py``)."""
         self.calls += 1
+        reads_store = request.kind != "ref_doc_ids" and not (
+            request.kind == "node_ids" and self.docstore is not None
+        )
+        if reads_store and sync_client(self.vector_store) is not None:
+            return await in_thread(self.vector_store, self._run, request)
         try:
             if request.kind == "ref_doc_ids":
                 assert self.docstore is not None
@@ -110,6 +127,9 @@ class ChunkSource:
                 if self.docstore is not None:
                     return await self.docstore.aget_nodes(request.node_ids, raise_error=False)
                 assert self.vector_store is not None
+                direct = adirect_reader(self.vector_store)
+                if direct is not None:
+                    return await direct(request.node_ids)
                 return await self.vector_store.aget_nodes(node_ids=request.node_ids)
             assert self.vector_store is not None
             filters, limit = self._filters(request)
@@ -150,7 +170,9 @@ class ChunkSource:
                 )
                 for doc_id, indices in request.indices.items()
             ]
-            needed = sum(len(v) for v in request.indices.values())
+            # Room for copies of a chunk that re-ingests without stable ids left behind: they
+            # must all come back to be told apart, not one of them taken by chance.
+            needed = sum(len(v) for v in request.indices.values()) * MAX_COPIES_READ
             return MetadataFilters(filters=per_document, condition=FilterCondition.OR), needed
         raise ValueError(f"unknown chunk request kind {request.kind!r}")
 
@@ -180,20 +202,48 @@ def direct_reader(store: Any) -> Callable[[list[str]], list[BaseNode]] | None:
     the client's ``retrieve`` reads the points directly (0.04 ms). Recognised by the public
     ``client``, ``collection_name`` and ``parse_to_query_result`` of the Qdrant store.
     """
-    client = getattr(store, "client", None)
+    parts = _qdrant_retrieve(store, getattr(store, "client", None))
+    if parts is None:
+        return None
+    retrieve, parse = parts
+
+    def read(node_ids: list[str]) -> list[BaseNode]:
+        return list(parse(retrieve(ids=node_ids)).nodes)
+
+    return read
+
+
+def adirect_reader(store: Any) -> Callable[[list[str]], Awaitable[list[BaseNode]]] | None:
+    """:func:`direct_reader` for async code, through the Qdrant store's async client.
+
+    ``QdrantVectorStore`` keeps that client in ``_aclient`` (``None`` when the store was built
+    with a sync client only: then its async methods fail, and so does this path's fallback).
+    """
+    parts = _qdrant_retrieve(store, getattr(store, "_aclient", None))
+    if parts is None:
+        return None
+    retrieve, parse = parts
+
+    async def read(node_ids: list[str]) -> list[BaseNode]:
+        return list(parse(await retrieve(ids=node_ids)).nodes)
+
+    return read
+
+
+def _qdrant_retrieve(
+    store: Any, client: Any
+) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """``client.retrieve`` bound to the store's collection (payloads, no vectors), and the
+    store's parser of points, when ``store`` looks like Qdrant's."""
     collection = getattr(store, "collection_name", None)
     parse = getattr(store, "parse_to_query_result", None)
     retrieve = getattr(client, "retrieve", None)
     if not (callable(retrieve) and callable(parse) and isinstance(collection, str)):
         return None
-
-    def read(node_ids: list[str]) -> list[BaseNode]:
-        points = retrieve(
-            collection_name=collection, ids=node_ids, with_payload=True, with_vectors=False
-        )
-        return list(parse(points).nodes)
-
-    return read
+    bound = functools.partial(
+        retrieve, collection_name=collection, with_payload=True, with_vectors=False
+    )
+    return bound, parse
 
 
 def nodes_by_id(nodes: Sequence[BaseNode]) -> dict[str, BaseNode]:

@@ -26,6 +26,7 @@ from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle
 from llama_index.core.storage.docstore.types import BaseDocumentStore
 from llama_index.core.vector_stores.types import BasePydanticVectorStore
 
+from llama_index.packs.self_rag_rse.common.bridge import adrive, drive
 from llama_index.packs.self_rag_rse.common.notes import record_note
 from llama_index.packs.self_rag_rse.common.options import (
     pydantic_fields,
@@ -34,43 +35,26 @@ from llama_index.packs.self_rag_rse.common.options import (
 )
 from llama_index.packs.self_rag_rse.rse.calibration import (
     DEFAULT_COSINE_RANGE,
-    calibrate,
     check_calibration,
+    node_relevance,
+    reject_nan,
 )
-from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_INDEX_KEY
+from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_INDEX_KEY, CHUNK_VERSION_KEY
 from llama_index.packs.self_rag_rse.rse.chunk_sources import ChunkRequest, ChunkSource
-from llama_index.packs.self_rag_rse.rse.ordering import (
-    DocumentLayout,
-    chunk_index,
+from llama_index.packs.self_rag_rse.rse.layout import (
     lay_out,
     missing_positions,
     place_read,
     read_missing,
 )
-from llama_index.packs.self_rag_rse.rse.segment_nodes import SEGMENT_METADATA_KEYS, segment_nodes
-from llama_index.packs.self_rag_rse.rse.segments import (
-    adjust_for_length,
-    chunk_value,
-    find_best_segments,
-    get_preset,
-)
+from llama_index.packs.self_rag_rse.rse.segment_nodes import segment_nodes
+from llama_index.packs.self_rag_rse.rse.segments import find_best_segments
 from llama_index.packs.self_rag_rse.rse.types import (
     DocumentRegion,
-    Hole,
     Segment,
     SegmentExtraction,
 )
-
-# Re-exported so that imports from this module keep working after the types moved out.
-__all__ = [
-    "DEFAULT_COSINE_RANGE",
-    "SEGMENT_METADATA_KEYS",
-    "DocumentRegion",
-    "Hole",
-    "RelevantSegmentPostprocessor",
-    "Segment",
-    "SegmentExtraction",
-]
+from llama_index.packs.self_rag_rse.rse.values import adjust_for_length, chunk_value, get_preset
 
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
@@ -102,7 +86,9 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
 
     Holes are never joined across: a NEXT/PREVIOUS link naming a chunk the store lacks, offsets
     further apart than a splitter strips, offsets the texts contradict where no link vouches for
-    the join, or a chunk no store returns. They are listed in :attr:`SegmentExtraction.holes`
+    the join, a chunk no store returns, or chunks of two versions of a document (stamped by
+    ``ChunkIndexer``). Two hits stamped with one chunk index are a conflict: the better ranked
+    is placed, the other passes through. All are listed in :attr:`SegmentExtraction.holes`
     and logged once per call. When nodes came in but no segment was worth ``minimum_value``,
     :attr:`SegmentExtraction.note` says so (and it is logged at INFO).
 
@@ -169,6 +155,10 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
     )
     chunk_index_key: str = Field(
         default=CHUNK_INDEX_KEY, description="Metadata key of the stamped chunk index."
+    )
+    chunk_version_key: str = Field(
+        default=CHUNK_VERSION_KEY,
+        description="Metadata key of the stamped document version (never joined across).",
     )
     doc_id_key: str = Field(
         default="doc_id", description="Vector-store payload key holding the source document id."
@@ -274,26 +264,14 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
     def extract(self, nodes: Sequence[NodeWithScore]) -> SegmentExtraction:
         """Run the extraction and return its full result (values, segments, members, holes)."""
         source = self._source()
-        plan = self._plan(list(nodes), source)
-        try:
-            request = next(plan)
-            while True:
-                request = plan.send(source.run(request))
-        except StopIteration as done:
-            extraction: SegmentExtraction = done.value
+        extraction = drive(self._plan(list(nodes), source), source.run)
         extraction.store_calls = source.calls
         return extraction
 
     async def aextract(self, nodes: Sequence[NodeWithScore]) -> SegmentExtraction:
         """Async :meth:`extract`."""
         source = self._source()
-        plan = self._plan(list(nodes), source)
-        try:
-            request = next(plan)
-            while True:
-                request = plan.send(await source.arun(request))
-        except StopIteration as done:
-            extraction: SegmentExtraction = done.value
+        extraction = await adrive(self._plan(list(nodes), source), source.arun)
         extraction.store_calls = source.calls
         return extraction
 
@@ -305,16 +283,23 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         if not hits:
             return self._finish(SegmentExtraction([], [], passthrough), nodes, hits)
         docs = self._select_documents(hits)
-        layouts = yield from lay_out(docs, source, self.chunk_index_key, self.max_document_chunks)
+        layouts = yield from lay_out(
+            docs, source, self.chunk_index_key, self.max_document_chunks, self.chunk_version_key
+        )
         for doc_id in [d for d in docs if d not in layouts]:
             lost = [h.item for h in hits if h.node.ref_doc_id == doc_id]
             self._unplaceable(lost, "carry no chunk index, offsets or NEXT/PREVIOUS links")
             passthrough.extend(lost)
             del docs[doc_id]
+        claimed = {n.node_id for layout in layouts.values() for n in layout.conflicts}
+        extra = [h.item for h in hits if h.node.node_id in claimed]
+        self._unplaceable(extra, "claim the chunk index of a better-ranked hit of their document")
+        passthrough.extend(extra)
         values_of = {h.node.node_id: h.value for h in hits}
         penalty = float(self._param("irrelevant_chunk_penalty"))
+        length = int(self._param("max_length"))
         # In rank order of the documents: the search breaks ties by position.
-        regions = [r for d in docs for r in layouts[d].regions(values_of, penalty)]
+        regions = [r for d in docs for r in layouts[d].regions(values_of, penalty, length)]
         segments = self._search(regions)
         rounds = 0
         while True:
@@ -332,16 +317,10 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
             found = sum(layouts[s.doc_id].check(s.start, s.end) for s in segments)
             if not found and not missing_positions(segments, layouts):
                 break
-            regions = [r for d in docs for r in layouts[d].regions(values_of, penalty)]
+            regions = [r for d in docs for r in layouts[d].regions(values_of, penalty, length)]
             segments = self._search(regions)
         for segment in segments:
-            layout = layouts[segment.doc_id]
-            positions = range(segment.start, segment.end)
-            segment.members = [layout.held[p] for p in positions]
-            segment.chunk_range = self._chunk_range(segment, layout)
-            segment.distrusted = frozenset(
-                layout.held[p].node_id for p in positions if p in layout.suspect
-            )
+            layouts[segment.doc_id].fill(segment, self.chunk_index_key)
         holes = [hole for doc_id in docs for hole in layouts[doc_id].holes]
         extraction = SegmentExtraction(regions, segments, passthrough, holes=holes)
         return self._finish(extraction, nodes, hits)
@@ -356,37 +335,18 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
                 seen.add(item.node.node_id)
                 unique.append(item)
         scores = [item.score for item in unique]
-        # Checked before anything else: a NaN would otherwise hide among missing scores.
-        if any(s is not None and math.isnan(float(s)) for s in scores):
-            raise ValueError("node scores contain NaN: fix the retriever or reranker upstream")
+        reject_nan(scores)
         if all(s is not None for s in scores):
             unique.sort(key=lambda item: -float(item.score))  # type: ignore[arg-type]
-            relevance = self._relevance([float(item.score) for item in unique])  # type: ignore[arg-type]
-        else:
-            if any(s is not None for s in scores):
-                warnings.warn(
-                    "some nodes have no score: RSE ranks all nodes by their input order and uses "
-                    "relevance 1 for nodes without a score; give every node a score (or none) "
-                    "for a consistent ranking",
-                    stacklevel=4,
-                )
-            known = np.array([np.nan if s is None else float(s) for s in scores])
-            # Only real scores are calibrated: a per-query calibration must not see stand-ins.
-            scored = ~np.isnan(known)
-            relevance = np.ones(len(known))
-            if scored.any():
-                relevance[scored] = self._relevance(known[scored])
-        if np.isnan(relevance).any():
-            raise ValueError(
-                "the calibration turned node scores into NaN: make it return a number in [0, 1] "
-                "for every score"
+            scores = [item.score for item in unique]
+        elif any(s is not None for s in scores):
+            warnings.warn(
+                "some nodes have no score: RSE ranks all nodes by their input order and uses "
+                "relevance 1 for nodes without a score; give every node a score (or none) "
+                "for a consistent ranking",
+                stacklevel=4,
             )
-        if np.isinf(relevance).any():
-            raise ValueError(
-                f"calibration {self._calibration_name()} left an infinite relevance (a node "
-                "scored +-inf): RSE needs finite values; use a calibration that clips, such as "
-                "'cosine_adaptive' (the default) or 'cohere', or give the nodes finite scores"
-            )
+        relevance = node_relevance(self.calibration, scores, self.cosine_range)
         ranks = np.arange(len(unique), dtype=float)
         values = chunk_value(
             ranks, relevance, self._param("decay_rate"), self._param("irrelevant_chunk_penalty")
@@ -403,13 +363,6 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         self._unplaceable(passthrough, "have no source document (no SOURCE relationship)")
         return hits, passthrough
 
-    def _calibration_name(self) -> str:
-        method = self.calibration
-        return repr(method) if isinstance(method, str) else getattr(method, "__name__", "callable")
-
-    def _relevance(self, scores: Any) -> np.ndarray:
-        return calibrate(self.calibration, scores, self.cosine_range)
-
     def _unplaceable(self, items: list[NodeWithScore], why: str) -> None:
         """Warn (or raise) about nodes that pass through because they cannot be ordered."""
         if not items:
@@ -417,7 +370,9 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         message = (
             f"{len(items)} node(s) {why}, so RSE cannot place them in their document; they pass "
             "through unchanged. Fix: build nodes with a LlamaIndex splitter (offsets and "
-            "relationships), add ChunkIndexer at ingestion, or pass the docstore or vector store."
+            "relationships), add ChunkIndexer at ingestion (stable_ids=True, so a re-ingest "
+            "overwrites a document's chunks instead of copying them), or pass the docstore or "
+            "vector store."
         )
         if self.on_unplaceable == "raise":
             raise ValueError(message)
@@ -453,22 +408,6 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         segments.sort(key=lambda s: -s.value)
         return segments
 
-    def _chunk_range(self, segment: Segment, layout: DocumentLayout) -> tuple[int, int] | None:
-        """True chunk indices of ``segment``, or ``None`` when nothing vouches for them.
-
-        Stamped indices vouch; so does a store's record, up to the first hole (past one, the
-        number of chunks missing is unknown). Positions inferred from links never do.
-        """
-        indices = [chunk_index(m, self.chunk_index_key) for m in segment.members]
-        if all(i is not None for i in indices):
-            first = indices[0]
-            assert first is not None
-            consecutive = indices == list(range(first, first + len(indices)))
-            return (first, first + len(indices)) if consecutive else None
-        if layout.renumbered or any(hole.left < segment.start for hole in layout.holes):
-            return None
-        return segment.start, segment.end
-
     def _finish(
         self, extraction: SegmentExtraction, nodes: list[NodeWithScore], hits: list[_Hit]
     ) -> SegmentExtraction:
@@ -480,8 +419,9 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
             more = f" (and {len(extraction.holes) - 3} more)" if len(extraction.holes) > 3 else ""
             logger.warning(
                 "RSE found %d hole(s) in the chunk order and did not join across them: %s%s. "
-                "Fix: re-ingest the documents so the store holds every chunk with true offsets "
-                "(see SegmentExtraction.holes).",
+                "Fix: re-ingest the documents so the store holds every chunk of one version "
+                "with true offsets, once (ChunkIndexer(stable_ids=True), and delete an older "
+                "version's leftover chunks; see SegmentExtraction.holes).",
                 len(extraction.holes),
                 shown,
                 more,

@@ -17,6 +17,7 @@ from typing import Any
 from llama_index.core.schema import NodeRelationship, TextNode
 
 from llama_index.packs.self_rag_rse.context.segment_header import add_segment_header
+from llama_index.packs.self_rag_rse.rse.node_fields import char_span, same_value
 from llama_index.packs.self_rag_rse.rse.ordering import linked
 from llama_index.packs.self_rag_rse.rse.stitching import find_breaks, stitch_chunks
 from llama_index.packs.self_rag_rse.rse.types import Segment
@@ -48,15 +49,15 @@ def segment_nodes(segment: Segment, chunk_index_key: str) -> list[TextNode]:
     """The node(s) for ``segment``: one, or one per side of each hole the stitch found.
 
     Metadata shared by every member is kept, minus ``chunk_index_key`` (a segment is not one
-    chunk); the :data:`SEGMENT_METADATA_KEYS` are added and hidden from embedding and LLM text.
+    chunk); values compare with :func:`~.node_fields.same_value`, so a shared numpy array or
+    NaN is kept like any other value. The :data:`SEGMENT_METADATA_KEYS` are added and hidden
+    from embedding and LLM text.
     When the members carry contextual headers, each node also gets ``segment_header``, the only
     metadata its LLM text shows (once, before the span's text).
     """
     members = segment.members
     texts = [m.get_content() for m in members]
-    spans = [
-        (getattr(m, "start_char_idx", None), getattr(m, "end_char_idx", None)) for m in members
-    ]
+    spans = [char_span(m) for m in members]
     links = [False] + [linked(a, b) for a, b in itertools.pairwise(members)]
     distrust = [m.node_id in segment.distrusted for m in members]
     pieces = stitch_chunks(texts, spans, links, distrust)
@@ -65,7 +66,7 @@ def segment_nodes(segment: Segment, chunk_index_key: str) -> list[TextNode]:
     )
     shared = dict(members[0].metadata)
     for member in members[1:]:
-        shared = {k: v for k, v in shared.items() if member.metadata.get(k) == v}
+        shared = {k: v for k, v in shared.items() if same_value(member.metadata.get(k), v)}
     shared.pop(chunk_index_key, None)
     hidden = list(SEGMENT_METADATA_KEYS)
     for key in (*members[0].excluded_llm_metadata_keys, chunk_index_key):

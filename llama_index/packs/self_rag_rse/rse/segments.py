@@ -5,9 +5,9 @@ LLM reads whole passages instead of isolated top-k chunks. The recipe:
 
 1. Lay the candidate documents end to end (a "meta-document"); ``document_splits`` mark where one
    document ends and the next begins, and no segment may cross one.
-2. Give every chunk a value with :func:`chunk_value`: positive when it was retrieved high enough,
-   ``-irrelevant_chunk_penalty`` when it was not retrieved at all. Optionally scale by chunk length
-   with :func:`adjust_for_length`.
+2. Give every chunk a value with :func:`~.values.chunk_value`: positive when it was retrieved high
+   enough, ``-irrelevant_chunk_penalty`` when it was not retrieved at all. Optionally scale by
+   chunk length with :func:`~.values.adjust_for_length`.
 3. :func:`find_best_segments` picks the segments with the largest value sums, round-robin over the
    queries, within a per-segment and an overall length budget.
 
@@ -28,24 +28,6 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
-
-# Chunk values and presets live in values.py; re-exported so the recipe reads from one place.
-from llama_index.packs.self_rag_rse.rse.values import (
-    PRESETS,
-    RSEPreset,
-    adjust_for_length,
-    chunk_value,
-    get_preset,
-)
-
-__all__ = [
-    "PRESETS",
-    "RSEPreset",
-    "adjust_for_length",
-    "chunk_value",
-    "find_best_segments",
-    "get_preset",
-]
 
 FloatArray = NDArray[np.float64]
 IntArray = NDArray[np.int64]
@@ -68,8 +50,8 @@ def find_best_segments(
 ) -> tuple[list[tuple[int, int]], list[float]]:
     """Pick the best segments of a meta-document, exactly as dsRAG's ``get_best_segments``.
 
-    - ``all_relevance_values``: one row of chunk values per query (see :func:`chunk_value`), all
-      rows as long as the meta-document. A 2-D array works too.
+    - ``all_relevance_values``: one row of chunk values per query (see
+      :func:`~.values.chunk_value`), all rows as long as the meta-document. A 2-D array works too.
     - ``document_splits``: strictly increasing chunk indices where a document ends (the last one
       may equal the meta-document length). A segment never contains both chunk ``split - 1`` and
       chunk ``split``.

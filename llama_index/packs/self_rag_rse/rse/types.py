@@ -58,8 +58,9 @@ class Hole:
 
     Found from evidence on the nodes (a NEXT/PREVIOUS link naming a chunk the store does not
     list, character offsets further apart than a splitter strips, offsets the texts contradict,
-    or a chunk no store could return). ``right - left`` is 2 when an empty position was inserted
-    for a missing chunk, 1 otherwise.
+    chunks of two versions of the document, or a chunk no store could return). ``right - left``
+    is 2 when an empty position was inserted for a missing chunk, 1 otherwise, and 0 for a
+    conflict: two hits claiming position ``left`` (the second passes through unplaced).
     """
 
     doc_id: str

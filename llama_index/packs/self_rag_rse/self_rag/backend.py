@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,6 +206,17 @@ class CriticBackend(ABC):
             self.score(UTILITY_SCALE, prompts.utility, first.utility_values(query)),
         )
         return first.record(support, utility)
+
+    async def astream(self, template: BasePromptTemplate, values: Values) -> AsyncIterator[str]:
+        """One answer to ``template.format(**values)``, piece by piece as the model writes it.
+
+        The default yields :meth:`generate`'s whole answer once; backends whose model streams
+        override it.
+        """
+        (result,) = await self.generate(template, [values])
+        if isinstance(result, Exception):
+            raise result
+        yield result.text
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Free what the backend holds (never the model it was given)."""

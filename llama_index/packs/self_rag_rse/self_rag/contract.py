@@ -2,16 +2,22 @@
 
 A critic answers three questions for the engine: should we retrieve for this query, what does the
 model answer from each paragraph (and how relevant, supported and useful is that answer), and what
-does it answer with no evidence at all. The reflection-token critic (llama.cpp, Self-RAG GGUFs) and
-the prompted critic (any LlamaIndex LLM) both implement :class:`Critic`, so the engine never knows
-which one it drives. Nothing here imports LlamaIndex.
+does it answer with no evidence at all. :class:`BaseCritic` is that contract, as
+``BaseNodePostprocessor`` is for postprocessors: the reflection-token critics (llama.cpp in-process,
+served models) and the prompted critic (any LlamaIndex LLM) subclass it, so the engine never knows
+which one it drives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
+
+from llama_index.core.prompts.mixin import PromptDictType, PromptMixin, PromptMixinType
+
+from llama_index.packs.self_rag_rse.common.bridge import iterate_sync, run_sync
 
 
 @dataclass
@@ -90,46 +96,78 @@ def final_score(
     return float(total)
 
 
-@runtime_checkable
-class Critic(Protocol):
-    """What the engine needs from a critic; one class per way of judging.
+class BaseCritic(PromptMixin, ABC):
+    """What the engine needs from a critic; one subclass per way of judging.
 
-    The async methods are the primary ones; the sync ones block on them. ``close`` frees what
-    the critic holds (a llama.cpp context, a worker thread), never a model it was given.
-    :class:`~.base_critic.BaseCritic` implements the sync half and ``close`` for subclasses.
+    Subclasses implement the three async methods; the blocking ones run them through the
+    package's one sync/async bridge (``common.bridge.run_sync``), so both paths share one
+    implementation. ``close`` frees what the critic holds (a llama.cpp context, a worker
+    thread), never a model it was given. A critic is a ``PromptMixin``: ``get_prompts()`` lists
+    its templates (none by default) and the engine shows them under ``critic:``.
     """
 
     #: Short name shown in traces: ``"reflection"`` or ``"prompted"``.
-    name: str
+    name: str = "critic"
 
+    @abstractmethod
     async def adecide_retrieval(
         self, query: str, threshold: float | None, answer_if_skipped: bool = True
     ) -> RetrievalDecision:
         """Decide whether ``query`` needs evidence (``threshold=None``: greedy decides)."""
-        ...
 
+    @abstractmethod
     async def ajudge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
         """Answer ``query`` from each paragraph and score each answer, in input order."""
-        ...
 
+    @abstractmethod
     async def agenerate(self, query: str) -> str:
         """Answer ``query`` with no evidence."""
-        ...
+
+    async def astream_generate(self, query: str) -> AsyncIterator[str]:
+        """Answer ``query`` with no evidence, piece by piece as the model writes it.
+
+        The pieces join to :meth:`agenerate`'s answer. This default yields that whole answer
+        once; critics whose model can stream (llama.cpp in process, a served model, an LLM with
+        ``astream_complete``) override it.
+        """
+        yield await self.agenerate(query)
 
     def decide_retrieval(
         self, query: str, threshold: float | None, answer_if_skipped: bool = True
     ) -> RetrievalDecision:
         """Blocking :meth:`adecide_retrieval`."""
-        ...
+        return run_sync(self.adecide_retrieval(query, threshold, answer_if_skipped))
 
     def judge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
         """Blocking :meth:`ajudge`."""
-        ...
+        return run_sync(self.ajudge(query, paragraphs))
 
     def generate(self, query: str) -> str:
         """Blocking :meth:`agenerate`."""
-        ...
+        return run_sync(self.agenerate(query))
+
+    def stream_generate(self, query: str) -> Iterator[str]:
+        """Blocking :meth:`astream_generate`: pieces arrive as the model writes them."""
+        return iterate_sync(self.astream_generate(query))
 
     def close(self) -> None:
         """Free what the critic holds; the models it was given stay open."""
-        ...
+
+    def __enter__(self) -> BaseCritic:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- PromptMixin ---------------------------------------------------------------------------
+
+    def _get_prompts(self) -> PromptDictType:
+        """No prompts unless the subclass has some."""
+        return {}
+
+    def _get_prompt_modules(self) -> PromptMixinType:
+        """No sub-modules."""
+        return {}
+
+    def _update_prompts(self, prompts_dict: PromptDictType) -> None:
+        """Nothing to update unless the subclass has prompts."""

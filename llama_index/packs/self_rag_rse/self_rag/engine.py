@@ -6,7 +6,7 @@ IsSUP, IsUSE, optional sequence score), and return the best paragraph's answer w
 nodes as sources, best first. The optional corrective loop re-retrieves with a pseudo-document
 or a rewritten query when nothing relevant came back, and regenerates unsupported answers.
 
-The engine takes built parts (a retriever and a :class:`~.contract.Critic`); the upstream
+The engine takes built parts (a retriever and a :class:`~.contract.BaseCritic`); the upstream
 constructor ``SelfRAGQueryEngine(model_path, retriever)`` and :meth:`SelfRAGQueryEngine.from_args`
 build the critic through :mod:`.factory`. The control flow is written once, as a generator of
 steps that the package's sync/async bridge drives, so ``query`` and ``aquery`` cannot drift
@@ -15,12 +15,18 @@ apart.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Generator
 from typing import Any, Literal
 
 from llama_index.core.base.base_retriever import BaseRetriever
-from llama_index.core.base.response.schema import RESPONSE_TYPE, Response
+from llama_index.core.base.response.schema import (
+    RESPONSE_TYPE,
+    AsyncStreamingResponse,
+    Response,
+    StreamingResponse,
+)
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.events.query import QueryEndEvent, QueryStartEvent
@@ -31,34 +37,36 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryType
 
 from llama_index.packs.self_rag_rse.common.bridge import adrive, drive
-from llama_index.packs.self_rag_rse.common.options import (
-    pydantic_fields,
-    reject_unknown,
-    require_finite,
-)
+from llama_index.packs.self_rag_rse.common.options import pydantic_fields, reject_unknown
 from llama_index.packs.self_rag_rse.self_rag.contract import (
-    Critic,
+    BaseCritic,
     ParagraphJudgement,
     RetrievalDecision,
 )
 from llama_index.packs.self_rag_rse.self_rag.factory import build_critic
-from llama_index.packs.self_rag_rse.self_rag.prompts import (  # noqa: F401 - legacy names
+from llama_index.packs.self_rag_rse.self_rag.prompts import (
     ENGINE_PROMPT_VARIABLES,
     ENGINE_PROMPTS,
-    GROUNDED_INSTRUCTION,
-    QUERY2DOC_INSTRUCTION,
-    REWRITE_INSTRUCTION,
     as_template,
 )
 from llama_index.packs.self_rag_rse.self_rag.steps import (
+    Outcome,
     Retrieved,
     Step,
     aretrieve,
+    astream_answer,
+    astripped,
     best_candidate,
+    check_options,
     check_query,
+    check_retriever,
+    ensure_support,
     no_nodes_reason,
     node_text,
+    paragraph_text,
     retrieve,
+    stream_answer,
+    stripped,
 )
 from llama_index.packs.self_rag_rse.self_rag.trace import Candidate, paragraph_meta, print_table
 
@@ -92,8 +100,8 @@ class SelfRAGQueryEngine(CustomQueryEngine):
     to reuse a loaded model: a ``LlamaCPP`` or ``llama_cpp.Llama`` (reflection tokens read from
     its logits when its vocabulary has them) or any LlamaIndex LLM (judged with prompts).
     ``critic`` forces one: ``"reflection"``, ``"prompted"`` or a built
-    :class:`~.contract.Critic` (the engine then uses it as given and does not close it). With the
-    prompted critic, ``generator_llm`` may write the answers while ``llm`` judges them.
+    :class:`~.contract.BaseCritic` (the engine then uses it as given and does not close it). With
+    the prompted critic, ``generator_llm`` may write the answers while ``llm`` judges them.
 
     The final score of a paragraph's answer is ``[seq_score] + w_rel·IsREL + w_sup·IsSUP +
     w_use·IsUSE``; the best one is the response. Unknown options raise ``TypeError``. See the
@@ -153,6 +161,14 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             "non-empty one wins); None: no title line."
         ),
     )
+    streaming: bool = Field(
+        default=False,
+        description=(
+            "query returns a StreamingResponse, aquery an AsyncStreamingResponse. The model's "
+            "own answer (no retrieval) streams token by token; an answer chosen among "
+            "paragraphs is known, and yielded, once every paragraph is judged."
+        ),
+    )
     verbose: bool = Field(default=False, description="Print a per-paragraph table and the trace.")
 
     _critic: Any = PrivateAttr(default=None)
@@ -169,7 +185,7 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         generate_kwargs: dict[str, Any] | None = None,
         *,
         llm: Any = None,
-        critic: str | Critic = "auto",
+        critic: str | BaseCritic = "auto",
         generator_llm: Any = None,
         **options: Any,
     ) -> None:
@@ -180,6 +196,7 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             raise ValueError(
                 "SelfRAGQueryEngine needs a retriever: pass retriever=index.as_retriever()"
             )
+        check_retriever(retriever)
         generate_kwargs = dict(generate_kwargs or {})
         if "max_tokens" in generate_kwargs and "max_new_tokens" not in options:
             options["max_new_tokens"] = int(generate_kwargs.pop("max_tokens"))
@@ -189,7 +206,7 @@ class SelfRAGQueryEngine(CustomQueryEngine):
                 generate_kwargs["temperature"],
             )
         super().__init__(retriever=retriever, verbose=verbose, **options)  # type: ignore[call-arg]
-        self._validate()
+        check_options(self)
         built = build_critic(
             critic,
             llm=llm,
@@ -214,7 +231,7 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         *,
         model_path: str | None = None,
         model_kwargs: dict[str, Any] | None = None,
-        critic: str | Critic = "auto",
+        critic: str | BaseCritic = "auto",
         generator_llm: Any = None,
         **options: Any,
     ) -> SelfRAGQueryEngine:
@@ -232,35 +249,13 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             **options,
         )
 
-    def _validate(self) -> None:
-        require_finite(
-            "SelfRAGQueryEngine",
-            w_rel=self.w_rel,
-            w_sup=self.w_sup,
-            w_use=self.w_use,
-            threshold=self.threshold,
-            rewrite_threshold=self.rewrite_threshold,
-            support_threshold=self.support_threshold,
-            utility_threshold=self.utility_threshold,
-        )
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.ndocs is not None and self.ndocs < 1:
-            raise ValueError(f"ndocs must be at least 1 or None, got {self.ndocs}")
-        if self.max_retrieval_rounds < 1:
-            raise ValueError("max_retrieval_rounds must be at least 1 (the first retrieval)")
-        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
-            raise ValueError(
-                f"threshold is a probability in [0, 1] (or None), got {self.threshold}"
-            )
-
     @classmethod
     def class_name(cls) -> str:
         """Name used in serialisation."""
         return "SelfRAGQueryEngine"
 
     @property
-    def critic(self) -> Critic:
+    def critic(self) -> BaseCritic:
         """The critic in use (``critic.name`` says which)."""
         return self._critic
 
@@ -317,18 +312,32 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         dispatcher.event(QueryEndEvent(query=str_or_query_bundle, response=response))
         return response
 
-    def custom_query(self, query_str: str) -> Response:
+    def custom_query(self, query_str: str) -> Response | StreamingResponse:
         """Run Self-RAG for one query (blocking)."""
-        return drive(self._flow(query_str), self._run)
+        outcome = drive(self._flow(query_str), self._run)
+        if self.streaming:
+            pieces = stream_answer(outcome.answer, self._critic.stream_generate, query_str)
+            final = functools.partial(self._final, meta=outcome.meta)
+            return StreamingResponse(stripped(pieces, final), **self._parts(outcome))
+        if outcome.answer is None:
+            outcome.answer = self._critic.generate(query_str)
+        return Response(self._final(outcome.answer, outcome.meta), **self._parts(outcome))
 
-    async def acustom_query(self, query_str: str) -> Response:
+    async def acustom_query(self, query_str: str) -> Response | AsyncStreamingResponse:
         """Run Self-RAG for one query; model work runs off the event loop."""
-        return await adrive(self._flow(query_str), self._arun)
+        outcome = await adrive(self._flow(query_str), self._arun)
+        if self.streaming:
+            apieces = astream_answer(outcome.answer, self._critic.astream_generate, query_str)
+            final = functools.partial(self._final, meta=outcome.meta)
+            return AsyncStreamingResponse(astripped(apieces, final), **self._parts(outcome))
+        if outcome.answer is None:
+            outcome.answer = await self._critic.agenerate(query_str)
+        return Response(self._final(outcome.answer, outcome.meta), **self._parts(outcome))
 
     # -- drivers ----------------------------------------------------------------------------
     def _run(self, step: Step) -> Any:
         if step.kind == "decide":
-            return self._critic.decide_retrieval(step.text, self.threshold)
+            return self._critic.decide_retrieval(step.text, self.threshold, not self.streaming)
         if step.kind == "retrieve":
             return retrieve(self.retriever, self.node_postprocessors, step.text)
         if step.kind == "judge":
@@ -337,7 +346,9 @@ class SelfRAGQueryEngine(CustomQueryEngine):
 
     async def _arun(self, step: Step) -> Any:
         if step.kind == "decide":
-            return await self._critic.adecide_retrieval(step.text, self.threshold)
+            return await self._critic.adecide_retrieval(
+                step.text, self.threshold, not self.streaming
+            )
         if step.kind == "retrieve":
             return await aretrieve(self.retriever, self.node_postprocessors, step.text)
         if step.kind == "judge":
@@ -345,7 +356,7 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         return await self._critic.agenerate(step.text)
 
     # -- the algorithm ----------------------------------------------------------------------
-    def _flow(self, query: str) -> Generator[Step, Any, Response]:
+    def _flow(self, query: str) -> Generator[Step, Any, Outcome]:
         check_query(query)
         trace: list[dict[str, Any]] = []
         meta: dict[str, Any] = {
@@ -357,24 +368,16 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             "trace": trace,
         }
         if self.mode == "no_retrieval":
-            answer = yield Step("generate", query)
             trace.append({"step": "generate", "reason": "mode=no_retrieval"})
-            return self._respond(answer, [], meta)
+            return Outcome(None, [], meta)
         if self.mode == "adaptive_retrieval":
             decision: RetrievalDecision = yield Step("decide", query)
             meta["retrieve_prob"] = decision.probability
             trace.append(
-                {
-                    "step": "decide",
-                    "retrieve": decision.retrieve,
-                    "probability": decision.probability,
-                }
+                dict(step="decide", retrieve=decision.retrieve, probability=decision.probability)
             )
             if not decision.retrieve:
-                answer = decision.answer
-                if answer is None:
-                    answer = yield Step("generate", query)
-                return self._respond(answer, [], meta)
+                return Outcome(decision.answer, [], meta)
 
         candidates: list[Candidate] = []
         seen: set[str] = set()
@@ -387,12 +390,9 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             fresh = [n for n in retrieved.nodes if n.node.node_id not in seen]
             if self.ndocs is not None:
                 fresh = fresh[: self.ndocs]
-            entry: dict[str, Any] = {
-                "step": "retrieve",
-                "round": rounds,
-                "query": search_query,
-                "nodes": len(fresh),
-            }
+            entry: dict[str, Any] = dict(
+                step="retrieve", round=rounds, query=search_query, nodes=len(fresh)
+            )
             if retrieved.dropped_by is not None:
                 entry["retrieved"] = retrieved.retrieved
                 entry["dropped_by"] = retrieved.dropped_by
@@ -401,13 +401,8 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             empty = [n for n in fresh if not node_text(n).strip()]
             if empty:
                 # Nothing to judge or to answer from: skip, and say so.
-                trace.append(
-                    {
-                        "step": "skip_empty",
-                        "node_ids": [n.node.node_id for n in empty],
-                        "reason": "paragraph has no text",
-                    }
-                )
+                ids = [n.node.node_id for n in empty]
+                trace.append(dict(step="skip_empty", node_ids=ids, reason="paragraph has no text"))
                 seen.update(n.node.node_id for n in empty)
                 fresh = [n for n in fresh if n not in empty]
             if fresh:
@@ -440,11 +435,18 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             relevant = self._relevant(candidates)
             if candidates and not relevant:
                 trace.append({"step": "fallback", "reason": "no relevant paragraph in any round"})
-                answer = yield Step("generate", query)
                 meta["retrieve"] = True
                 meta["paragraphs"] = [paragraph_meta(c) for c in candidates]
-                return self._respond(answer, candidates, meta, best=None)
-            chosen = yield from self._ensure_support(query, relevant, trace)
+                return Outcome(None, candidates, meta)
+            grounded = self._prompt("grounded_prompt", query)
+            chosen = yield from ensure_support(
+                relevant,
+                trace,
+                regenerate=lambda c: Step("judge", grounded, [self._paragraph(c.node)]),
+                score=self._score,
+                threshold=self.support_threshold,
+                attempts=self.max_regenerations,
+            )
         else:
             chosen = best_candidate(candidates)
 
@@ -453,46 +455,8 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         if chosen is None or not chosen.judgement.answer.strip():
             reason = "no usable answer" if candidates else no_nodes_reason(trace)
             trace.append({"step": "fallback", "reason": reason})
-            answer = yield Step("generate", query)
-            return self._respond(answer, candidates, meta, best=None)
-        return self._respond(chosen.judgement.answer, candidates, meta, best=chosen)
-
-    def _ensure_support(
-        self, query: str, candidates: list[Candidate], trace: list[dict[str, Any]]
-    ) -> Generator[Step, Any, Candidate | None]:
-        """Regenerate an unsupported answer, then fall back to the next-best supported one."""
-        ranked = sorted(
-            (c for c in candidates if c.judgement.error is None and c.judgement.answer.strip()),
-            key=lambda c: -c.score,
-        )
-        if not ranked or ranked[0].judgement.support >= self.support_threshold:
-            return ranked[0] if ranked else None
-        best = ranked[0]
-        for attempt in range(1, self.max_regenerations + 1):
-            grounded = self._prompt("grounded_prompt", query)
-            (redo,) = yield Step("judge", grounded, [self._paragraph(best.node)])
-            trace.append(
-                {
-                    "step": "regenerate",
-                    "attempt": attempt,
-                    "support": redo.support,
-                    "node_id": best.node.node_id,
-                }
-            )
-            if (
-                redo.error is None
-                and redo.support >= self.support_threshold
-                and redo.answer.strip()
-            ):
-                best.judgement = redo
-                best.score = self._score(redo)
-                return best
-        for other in ranked[1:]:
-            if other.judgement.support >= self.support_threshold:
-                trace.append({"step": "next_best", "node_id": other.node.node.node_id})
-                return other
-        trace.append({"step": "keep_best", "reason": "no paragraph supports its answer"})
-        return best
+            return Outcome(None, candidates, meta)
+        return Outcome(chosen.judgement.answer, candidates, meta, chosen)
 
     def _relevant(self, candidates: list[Candidate]) -> list[Candidate]:
         """Paragraphs the corrective loop may answer from: relevance at the bar, no error."""
@@ -507,38 +471,28 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             return float("-inf")
         return judgement.score(self.w_rel, self.w_sup, self.w_use, self.use_seqscore)
 
-    def _respond(
-        self,
-        answer: str,
-        candidates: list[Candidate],
-        meta: dict[str, Any],
-        best: Candidate | None = None,
-    ) -> Response:
+    def _final(self, answer: str, meta: dict[str, Any]) -> str:
+        """The response text: never empty (an empty answer says so, in the text and the trace)."""
         answer = answer.strip()
         if not answer:
-            # The model produced nothing usable even on its own: say so rather than return "".
-            answer = NO_ANSWER
             meta["trace"].append({"step": "no_answer", "reason": "the model generated no text"})
+            return NO_ANSWER
+        return answer
+
+    def _parts(self, outcome: Outcome) -> dict[str, Any]:
+        """Sources (best first: the chosen paragraph, then the rest by score; an empty answer
+        can outscore the chosen one but cannot be the response) and metadata."""
+        candidates, meta, best = outcome.candidates, outcome.meta, outcome.best
         if best is not None:
             meta["best"] = next(i for i, c in enumerate(candidates) if c is best)
         if self.verbose:
             print_table(candidates, meta)
-        # Best first: the chosen paragraph, then the rest by score (an empty answer can outscore
-        # the chosen one but cannot be the response).
         ranked = sorted(candidates, key=lambda c: (c is not best, -c.score))
         sources = [
             NodeWithScore(node=c.node.node, score=c.score if c.judgement.error is None else None)
             for c in ranked
         ]
-        return Response(response=answer, source_nodes=sources, metadata={"self_rag": meta})
+        return {"source_nodes": sources, "metadata": {"self_rag": meta}}
 
-    # -- helpers ------------------------------------------------------------------------------
     def _paragraph(self, item: NodeWithScore) -> str:
-        """The paragraph the critic reads: an optional title line, then the node's text."""
-        text = node_text(item)
-        keys = [self.title_key] if isinstance(self.title_key, str) else (self.title_key or [])
-        for key in keys:
-            title = item.node.metadata.get(key)
-            if title is not None and str(title).strip():
-                return f"{str(title).strip()}\n{text}"
-        return text
+        return paragraph_text(item, self.title_key)

@@ -7,20 +7,17 @@ loaded one, and the engine closes that model when it is closed.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from llama_index.packs.self_rag_rse.llamacpp.compat import import_llama_cpp, llama_of
 from llama_index.packs.self_rag_rse.self_rag.backend import CriticBackend
-from llama_index.packs.self_rag_rse.self_rag.contract import (
-    Critic,
-    ParagraphJudgement,
-    RetrievalDecision,
-)
+from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic
+from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
+from llama_index.packs.self_rag_rse.self_rag.reflection import MissingReflectionTokens
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +32,7 @@ CRITIC_CHOICES = ("auto", "reflection", "prompted")
 class BuiltCritic:
     """A critic and the model this factory loaded for it (``None`` when the caller passed one)."""
 
-    critic: Critic
+    critic: BaseCritic
     loaded_model: Any = None
 
 
@@ -69,7 +66,6 @@ def build_backend(
         from llama_index.packs.self_rag_rse.llamacpp.backend import LlamaCppBackend
 
         return LlamaCppBackend(
-            llama,
             model,
             max_new_tokens=max_new_tokens,
             n_seq_max=n_seq_max,
@@ -86,7 +82,7 @@ def build_backend(
 
 
 def build_critic(
-    critic: str | Critic = "auto",
+    critic: str | BaseCritic = "auto",
     *,
     llm: Any = None,
     model_path: str | None = None,
@@ -103,15 +99,20 @@ def build_critic(
     ``OpenAI(api_base=...)``), ``"auto"`` asks the server whether its model has the tokens:
     completion models only, never a hosted API such as api.openai.com.
     """
-    if not isinstance(critic, str):
+    if isinstance(critic, BaseCritic):
         if llm is not None or model_path is not None:
             raise ValueError(
                 "pass either a built critic or llm=/model_path= to build one, not both"
             )
-        return BuiltCritic(as_critic(critic))
+        return BuiltCritic(critic)
+    if not isinstance(critic, str):
+        raise TypeError(
+            f"critic must be 'auto', 'reflection', 'prompted' or a built critic (a subclass of "
+            f"BaseCritic), got {type(critic).__name__}"
+        )
     if critic not in CRITIC_CHOICES:
         raise ValueError(
-            f"critic must be 'auto', 'reflection', 'prompted' or a Critic, got {critic!r}"
+            f"critic must be 'auto', 'reflection', 'prompted' or a built critic, got {critic!r}"
         )
     if llm is None and model_path is None:
         raise ValueError(
@@ -133,66 +134,10 @@ def build_critic(
         raise
 
 
-def as_critic(critic: Any) -> Critic:
-    """``critic`` itself when it implements :class:`~.contract.Critic`; a critic written against
-    the earlier, blocking-only contract (``decide_retrieval``, ``judge``, ``generate``) is
-    wrapped so its blocking methods run in a worker thread."""
-    if isinstance(critic, Critic):
-        return critic
-    blocking = ("decide_retrieval", "judge", "generate")
-    if all(callable(getattr(critic, name, None)) for name in blocking):
-        return _BlockingCritic(critic)
-    raise TypeError(
-        f"critic must implement the Critic contract (subclass BaseCritic and define "
-        f"adecide_retrieval, ajudge and agenerate), got {type(critic).__name__}"
-    )
-
-
-class _BlockingCritic:
-    """A blocking-only critic seen through the full contract."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.name = str(getattr(inner, "name", type(inner).__name__))
-
-    def decide_retrieval(
-        self, query: str, threshold: float | None, answer_if_skipped: bool = True
-    ) -> RetrievalDecision:
-        decision: RetrievalDecision = self.inner.decide_retrieval(
-            query, threshold, answer_if_skipped
-        )
-        return decision
-
-    def judge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
-        return list(self.inner.judge(query, paragraphs))
-
-    def generate(self, query: str) -> str:
-        return str(self.inner.generate(query))
-
-    async def adecide_retrieval(
-        self, query: str, threshold: float | None, answer_if_skipped: bool = True
-    ) -> RetrievalDecision:
-        return await asyncio.to_thread(self.decide_retrieval, query, threshold, answer_if_skipped)
-
-    async def ajudge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
-        return await asyncio.to_thread(self.judge, query, paragraphs)
-
-    async def agenerate(self, query: str) -> str:
-        return await asyncio.to_thread(self.generate, query)
-
-    def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if callable(close):
-            close()
-
-
-def _choose(critic: str, llm: Any, generator_llm: Any, *, max_new_tokens: int) -> Critic:
+def _choose(critic: str, llm: Any, generator_llm: Any, *, max_new_tokens: int) -> BaseCritic:
     raw = llama_of(llm)
     if critic in ("auto", "reflection") and raw is not None and generator_llm is None:
-        from llama_index.packs.self_rag_rse.self_rag.reflection_critic import (
-            MissingReflectionTokens,
-            ReflectionCritic,
-        )
+        from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
 
         try:
             return ReflectionCritic(raw, max_new_tokens=max_new_tokens)
@@ -227,12 +172,18 @@ def _choose(critic: str, llm: Any, generator_llm: Any, *, max_new_tokens: int) -
             "server that serves one (OpenAILike(api_base=...)); use critic='prompted' for other "
             "LLMs"
         )
-    from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
+    backend = build_backend(llm, max_new_tokens=max_new_tokens)
+    if generator_llm is None or generator_llm is llm:
+        return PromptedCritic(backend)
+    try:
+        generator = build_backend(generator_llm, max_new_tokens=max_new_tokens)
+    except BaseException:
+        backend.close()
+        raise
+    return PromptedCritic(backend, generator_backend=generator)
 
-    return PromptedCritic(llm, generator_llm=generator_llm, max_new_tokens=max_new_tokens)
 
-
-def _served_reflection(critic: str, llm: Any, *, max_new_tokens: int) -> Critic | None:
+def _served_reflection(critic: str, llm: Any, *, max_new_tokens: int) -> BaseCritic | None:
     """The served reflection critic for an OpenAI-compatible LLM whose server has the tokens.
 
     ``None`` when ``llm`` is not served, or (``critic="auto"``) when it is a chat model, a hosted
@@ -246,7 +197,6 @@ def _served_reflection(critic: str, llm: Any, *, max_new_tokens: int) -> Critic 
         return None
     if critic == "auto" and (endpoint.is_chat_model or endpoint.hosted):
         return None
-    from llama_index.packs.self_rag_rse.self_rag.reflection_critic import MissingReflectionTokens
     from llama_index.packs.self_rag_rse.served.apis import ReflectionTokensUnidentifiable
     from llama_index.packs.self_rag_rse.served.reflection_critic import ServedReflectionCritic
 

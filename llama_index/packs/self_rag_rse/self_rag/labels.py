@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -128,11 +129,41 @@ FALLBACK_NOTE = (
 )
 
 
+#: How far above 0 a log-prob may lie and still read as 0: a probability of 1 rounded up (a
+#: float32 softmax, a server printing decimals). Anything higher is no log-prob.
+LOGPROB_ROUNDING = 1e-4
+
+
+class InvalidLogprob(ValueError):
+    """A number given as a log-prob that no probability has (NaN, ±inf, above 0)."""
+
+
+def checked_logprob(value: Any) -> float:
+    """``value`` as a log-prob from outside (a server, an LLM): a finite number <= 0.
+
+    A positive value up to :data:`LOGPROB_ROUNDING` is rounding and reads as 0. Anything else
+    (NaN, ±inf, a larger positive number, a non-number) raises :class:`InvalidLogprob`: softmax
+    would turn it into a NaN score or a probability above 1, and NaN outranks every real score.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidLogprob(f"{value!r} is not a log-prob (a finite number <= 0)")
+    number = float(value)
+    if not math.isfinite(number) or number > LOGPROB_ROUNDING:
+        raise InvalidLogprob(f"{number!r} is not a log-prob (a finite number <= 0)")
+    return min(number, 0.0)
+
+
 def normalised_probabilities(label_logprobs: Sequence[float]) -> list[float]:
-    """Softmax of ``label_logprobs`` among themselves; uniform when every label has no mass."""
+    """Softmax of ``label_logprobs`` among themselves; uniform when every label has no mass.
+
+    Raises :class:`InvalidLogprob` on NaN or +inf, which have no softmax (``max`` with a NaN
+    even depends on the order).
+    """
     values = [float(v) for v in label_logprobs]
+    if any(math.isnan(v) or v == math.inf for v in values):
+        raise InvalidLogprob(f"label log-probs {values} hold NaN or +inf: no probabilities")
     top = max(values)
-    if top == -math.inf or math.isnan(top):
+    if top == -math.inf:
         return [1.0 / len(values)] * len(values)
     weights = [math.exp(v - top) for v in values]
     total = sum(weights)
@@ -249,9 +280,12 @@ def label_logprobs_from_top(
     lower-cased text is a non-empty prefix of that label's word and of no other label's
     (``"Yes"``, ``" yes"``, ``"Part"``); several tokens of one label add up. A label absent there
     gets ``missing``. Returns ``None`` when no position names any label.
+
+    Raises :class:`InvalidLogprob`, naming the position and token, when a label's log-prob is
+    not a finite number <= 0 (see :func:`checked_logprob`).
     """
     words = [label.lower() for label in scale.labels]
-    for entries in positions:
+    for position, entries in enumerate(positions):
         per_label: list[list[float]] = [[] for _ in words]
         for token, logprob in entries:
             piece = token.strip().lower()
@@ -259,7 +293,10 @@ def label_logprobs_from_top(
                 continue
             owners = [i for i, word in enumerate(words) if word.startswith(piece)]
             if len(owners) == 1:
-                per_label[owners[0]].append(float(logprob))
+                try:
+                    per_label[owners[0]].append(checked_logprob(logprob))
+                except InvalidLogprob as exc:
+                    raise InvalidLogprob(f"position {position}, token {token!r}: {exc}") from None
         if any(per_label):
             return [logsumexp(lps) if lps else missing for lps in per_label]
     return None

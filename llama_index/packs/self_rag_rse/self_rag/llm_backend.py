@@ -5,6 +5,9 @@ call; at most ``num_workers`` run at once per event loop. Label probabilities co
 response's token log-probs when it carries them (``ChatResponse.logprobs``, e.g. OpenAI with
 ``logprobs=True, top_logprobs=5``); otherwise the reply is parsed tolerantly
 (:func:`~.labels.parse_reply`) and an unreadable reply falls back to the scale's neutral score.
+Log-probs that no probability has (NaN, ±inf, above 0) are not scored: the reply is read as if
+there were none, and the judgement's ``details["notes"]`` names the position and token (logged
+once per backend).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,6 +25,7 @@ from llama_index.core.prompts import BasePromptTemplate
 
 from llama_index.packs.self_rag_rse.self_rag.backend import CriticBackend, Generated, Scored, Values
 from llama_index.packs.self_rag_rse.self_rag.labels import (
+    InvalidLogprob,
     LabelScale,
     Reading,
     label_logprobs_from_top,
@@ -80,6 +84,7 @@ class LLMBackend(CriticBackend):
         self._limits: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
             weakref.WeakKeyDictionary()
         )
+        self._warned_logprobs = False
 
     async def call(self, template: BasePromptTemplate, values: Values) -> Reply:
         """Ask once; chat models get a user message (plus the LLM's system prompt)."""
@@ -91,11 +96,38 @@ class LLMBackend(CriticBackend):
                 return Reply(
                     chat.message.content or "", _logprob_pairs(chat.logprobs), _usage(chat.raw)
                 )
-            text = template.format(**dict(values))
-            if llm.system_prompt:
-                text = f"{llm.system_prompt}\n\n{text}"
-            completion = await llm.acomplete(text, **self.llm_kwargs)
+            completion = await llm.acomplete(
+                _completion_text(llm, template, values), **self.llm_kwargs
+            )
         return Reply(completion.text, _logprob_pairs(completion.logprobs), _usage(completion.raw))
+
+    async def astream(self, template: BasePromptTemplate, values: Values) -> AsyncIterator[str]:
+        """One answer through the LLM's ``astream_chat``/``astream_complete``; an LLM that does
+        not stream (``NotImplementedError``) answers in one piece."""
+        llm = self.llm
+        stream: AsyncIterator[Any] | None = None
+        first: Any = None
+        async with self._limit():
+            try:
+                if llm.metadata.is_chat_model:
+                    messages = with_system(
+                        template.format_messages(**dict(values)), llm.system_prompt
+                    )
+                    stream = await llm.astream_chat(messages, **self.llm_kwargs)
+                else:
+                    text = _completion_text(llm, template, values)
+                    stream = await llm.astream_complete(text, **self.llm_kwargs)
+                first = await anext(stream, None)
+            except NotImplementedError:
+                stream = None
+        if stream is None:  # outside the limit: the one-piece answer takes its own slot
+            async for piece in super().astream(template, values):
+                yield piece
+            return
+        if first is not None:
+            yield first.delta or ""
+        async for item in stream:
+            yield item.delta or ""
 
     async def generate(
         self, template: BasePromptTemplate, values: Sequence[Values]
@@ -117,13 +149,32 @@ class LLMBackend(CriticBackend):
         self, scale: LabelScale, template: BasePromptTemplate, values: Values
     ) -> Scored:
         reply = await self.call(template, values)
+        ignored = None
         if reply.logprobs:
-            label_lps = label_logprobs_from_top(reply.logprobs, scale)
-            if label_lps is not None:
-                return Scored(
-                    scale.expected_value(label_lps), "logprobs", None, reply.generated_tokens
-                )
-        return fallback_score(scale, parse_reply(reply.text, scale), reply.generated_tokens)
+            try:
+                label_lps = label_logprobs_from_top(reply.logprobs, scale)
+            except InvalidLogprob as exc:
+                ignored = f"log-probs ignored ({exc}), reply read instead"
+                self._warn_logprobs(ignored)
+            else:
+                if label_lps is not None:
+                    return Scored(
+                        scale.expected_value(label_lps), "logprobs", None, reply.generated_tokens
+                    )
+        scored = fallback_score(scale, parse_reply(reply.text, scale), reply.generated_tokens)
+        if ignored:
+            scored.note = f"{ignored}; {scored.note}" if scored.note else ignored
+        return scored
+
+    def _warn_logprobs(self, what: str) -> None:
+        if not self._warned_logprobs:
+            self._warned_logprobs = True
+            logger.warning(
+                "%s returned log-probs no probability has: %s (flagged in each judgement's "
+                "details['notes'], logged once); check the LLM's logprobs output",
+                type(self.llm).__name__,
+                what,
+            )
 
     def _limit(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
@@ -139,6 +190,12 @@ class LLMBackend(CriticBackend):
             "llm": type(self.llm).__name__,
             "model": getattr(self.llm.metadata, "model_name", None),
         }
+
+
+def _completion_text(llm: LLM, template: BasePromptTemplate, values: Values) -> str:
+    """The prompt of a completion model: the LLM's system prompt, then the template's text."""
+    text = template.format(**dict(values))
+    return f"{llm.system_prompt}\n\n{text}" if llm.system_prompt else text
 
 
 async def _gather(jobs: Any) -> list[Any]:
@@ -171,4 +228,5 @@ def _usage(raw: Any) -> int | None:
         if isinstance(usage, Mapping)
         else getattr(usage, "completion_tokens", None)
     )
-    return int(value) if isinstance(value, int) else None
+    # A count: bool is an int to Python, and a negative one is no count.
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

@@ -23,8 +23,8 @@ each paragraph once for all of them), is the backend's business. Every
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.llms import LLM
@@ -39,49 +39,35 @@ from llama_index.packs.self_rag_rse.self_rag.backend import (
     Scored,
     prompt_values,
 )
-from llama_index.packs.self_rag_rse.self_rag.base_critic import BaseCritic
-from llama_index.packs.self_rag_rse.self_rag.contract import ParagraphJudgement, RetrievalDecision
+from llama_index.packs.self_rag_rse.self_rag.contract import (
+    BaseCritic,
+    ParagraphJudgement,
+    RetrievalDecision,
+)
 from llama_index.packs.self_rag_rse.self_rag.labels import RETRIEVAL_SCALE
+from llama_index.packs.self_rag_rse.self_rag.llm_backend import LLMBackend
 from llama_index.packs.self_rag_rse.self_rag.prompts import DEFAULT_PROMPTS, as_template
-
-if TYPE_CHECKING:
-    import llama_cpp
 
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
 
 
 class PromptedCritic(BaseCritic):
-    """:class:`~.contract.Critic` for ordinary LLMs: Self-RAG's judgements asked as short prompts.
+    """:class:`~.contract.BaseCritic` for ordinary LLMs: Self-RAG's judgements asked as prompts.
 
     Args:
-        llm: the judging LLM: any LlamaIndex ``LLM``, or a raw ``llama_cpp.Llama``. ``None`` uses
-            ``Settings.llm`` (resolved here, once). A ``LlamaCPP`` (or raw ``Llama``) is read
-            through batched llama.cpp decoding with exact label probabilities.
-        generator_llm: the LLM that writes the per-paragraph and no-evidence answers; defaults to
-            ``llm``. A bigger generator with a small judge (or the reverse) is a common split.
+        backend: the :class:`~.backend.CriticBackend` that judges (and answers, unless
+            ``generator_backend`` is given): ``LlamaCppBackend(LlamaCPP(...))`` for batched
+            llama.cpp decoding with exact label probabilities, ``LLMBackend(llm)`` for any
+            LlamaIndex LLM, or a backend of your own. :meth:`from_llm` builds one from an LLM.
+        generator_backend: the backend that writes the per-paragraph and no-evidence answers;
+            defaults to ``backend``. A bigger generator with a small judge (or the reverse) is a
+            common split.
         retrieval_prompt, relevance_prompt, support_prompt, utility_prompt: the four judgement
             templates (``PromptTemplate`` or string). They fill ``{query_str}``, ``{context_str}``
             (the paragraph) and ``{answer_str}``, and must keep the reply words the scores read:
             Yes/No, Yes/Partly/No and 1-5.
         answer_prompt, no_evidence_prompt: the answer templates, with and without the paragraph.
-        max_new_tokens: answer length cap on llama.cpp (other LLMs use their own
-            ``max_tokens``; pass ``llm_kwargs`` to override per call). Short answers keep IsSUP
-            and IsUSE about one claim.
-        num_workers: concurrent LLM calls for non-llama.cpp LLMs. One judgement of
-            k paragraphs makes 4·k calls in two rounds; ``num_workers >= 2k`` makes each round as
-            slow as its slowest call.
-        use_batched_decoding: read llama.cpp models through :class:`BatchedDecoder` (default).
-            ``False`` treats a ``LlamaCPP`` like any LLM (one ``complete`` per question, parsed).
-        llm_kwargs: extra keyword arguments for every ``achat``/``acomplete`` call (e.g.
-            ``{"max_tokens": 8}``), non-llama.cpp LLMs only.
-        n_seq_max, n_ctx, n_threads: batched llama.cpp decoding: sequences decoded together (two
-            per paragraph: ``n_seq_max // 2`` paragraphs are judged at a time), positions per
-            sequence (default: the model's ``n_ctx``; longer paragraphs are truncated with a
-            warning), CPU threads (default: the model's ``n_threads_batch``, all cores unless
-            set; fewer when other busy work shares the machine).
-        backend, generator_backend: built :class:`~.backend.CriticBackend` objects, used instead
-            of building one from ``llm`` / ``generator_llm`` (e.g. a served model's backend).
 
     Each judgement's ``details`` says how each score was obtained: ``"logprobs"`` (label
     probabilities), ``"parsed"`` (label read from the reply) or ``"fallback"`` (unreadable reply,
@@ -89,45 +75,32 @@ class PromptedCritic(BaseCritic):
     ``generated_tokens`` (answer and label replies together). A failed paragraph has ``"error"``
     there. Synchronous methods run the async ones through the package's sync/async bridge, so
     they are as parallel as the async ones.
+
+    Example::
+
+        critic = PromptedCritic.from_llm(OpenAI(model="gpt-4o-mini"))
+        engine = SelfRAGQueryEngine(retriever=index.as_retriever(), critic=critic)
     """
 
     name = "prompted"
 
     def __init__(
         self,
-        llm: LLM | llama_cpp.Llama | None = None,
+        backend: CriticBackend,
         *,
-        generator_llm: LLM | llama_cpp.Llama | None = None,
+        generator_backend: CriticBackend | None = None,
         retrieval_prompt: BasePromptTemplate | str | None = None,
         relevance_prompt: BasePromptTemplate | str | None = None,
         support_prompt: BasePromptTemplate | str | None = None,
         utility_prompt: BasePromptTemplate | str | None = None,
         answer_prompt: BasePromptTemplate | str | None = None,
         no_evidence_prompt: BasePromptTemplate | str | None = None,
-        max_new_tokens: int = 64,
-        num_workers: int = 4,
-        use_batched_decoding: bool = True,
-        llm_kwargs: Mapping[str, Any] | None = None,
-        n_seq_max: int = 8,
-        n_ctx: int | None = None,
-        n_threads: int | None = None,
-        backend: CriticBackend | None = None,
-        generator_backend: CriticBackend | None = None,
     ) -> None:
-        from llama_index.packs.self_rag_rse.self_rag.factory import build_backend
-
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if llm is None and backend is None:
-            from llama_index.core import Settings
-
-            llm = Settings.llm
-        self.llm = llm
-        self.generator_llm = generator_llm if generator_llm is not None else llm
-        self.num_workers = num_workers
-        self.max_new_tokens = max_new_tokens
+        if not isinstance(backend, CriticBackend):
+            raise TypeError(
+                f"PromptedCritic takes a built CriticBackend, got {type(backend).__name__}: "
+                "use PromptedCritic.from_llm(llm) to judge with a LlamaIndex LLM"
+            )
         given = {
             "retrieval_prompt": retrieval_prompt,
             "relevance_prompt": relevance_prompt,
@@ -140,25 +113,48 @@ class PromptedCritic(BaseCritic):
             key: as_template(value if value is not None else DEFAULT_PROMPTS[key], key)
             for key, value in given.items()
         }
-        options: dict[str, Any] = {
-            "max_new_tokens": max_new_tokens,
-            "num_workers": num_workers,
-            "use_batched_decoding": use_batched_decoding,
-            "llm_kwargs": llm_kwargs,
-            "n_seq_max": n_seq_max,
-            "n_ctx": n_ctx,
-            "n_threads": n_threads,
-        }
         #: The backend that judges (and answers, unless a generator was given).
-        self.backend: CriticBackend = (
-            backend if backend is not None else build_backend(llm, **options)
+        self.backend = backend
+        self.generator_backend = generator_backend if generator_backend is not None else backend
+
+    @classmethod
+    def from_llm(
+        cls,
+        llm: LLM | None = None,
+        *,
+        generator_llm: LLM | None = None,
+        num_workers: int = 4,
+        llm_kwargs: Mapping[str, Any] | None = None,
+        **prompts: BasePromptTemplate | str | None,
+    ) -> PromptedCritic:
+        """A critic that asks any LlamaIndex ``LLM`` its questions, ``num_workers`` at a time.
+
+        ``llm=None`` uses ``Settings.llm`` (resolved here, once); ``generator_llm`` writes the
+        answers (default ``llm``). Label probabilities come from returned log-probs where the LLM
+        gives them, else from the parsed reply. One judgement of k paragraphs makes 4·k calls in
+        two rounds: ``num_workers >= 2k`` makes each round as slow as its slowest call.
+        ``llm_kwargs`` go to every ``achat``/``acomplete`` call (e.g. ``{"max_tokens": 8}``);
+        ``prompts`` are the templates of the constructor. Every LLM is called through its public
+        API here, a ``LlamaCPP`` too; ``PromptedCritic(LlamaCppBackend(llm))`` reads llama.cpp
+        models with batched decoding and exact label probabilities instead.
+        """
+        if llm is None:
+            from llama_index.core import Settings
+
+            llm = Settings.llm
+        for name, model in (("llm", llm), ("generator_llm", generator_llm)):
+            if model is not None and not isinstance(model, LLM):
+                raise TypeError(
+                    f"{name} must be a LlamaIndex LLM, got {type(model).__name__}: wrap a "
+                    "llama_cpp.Llama as PromptedCritic(LlamaCppBackend(llama))"
+                )
+        backend = LLMBackend(llm, llm_kwargs, num_workers=num_workers)
+        generator = (
+            None
+            if generator_llm is None or generator_llm is llm
+            else LLMBackend(generator_llm, llm_kwargs, num_workers=num_workers)
         )
-        if generator_backend is not None:
-            self.generator_backend = generator_backend
-        elif generator_llm is None or generator_llm is llm:
-            self.generator_backend = self.backend
-        else:
-            self.generator_backend = build_backend(generator_llm, **options)
+        return cls(backend, generator_backend=generator, **prompts)
 
     @property
     def decoder(self) -> Any:
@@ -182,7 +178,7 @@ class PromptedCritic(BaseCritic):
             if key in self._prompts:
                 self._prompts[key] = as_template(prompt, key)
 
-    # --- Critic --------------------------------------------------------------------------------
+    # --- the critic contract ----------------------------------------------------------------------
 
     @dispatcher.span
     async def adecide_retrieval(
@@ -252,6 +248,12 @@ class PromptedCritic(BaseCritic):
         if isinstance(result, Exception):
             raise result
         return result.text
+
+    async def astream_generate(self, query: str) -> AsyncIterator[str]:
+        """The no-evidence answer, piece by piece as the generator's model writes it."""
+        template = self._prompts["no_evidence_prompt"]
+        async for piece in self.generator_backend.astream(template, prompt_values(query)):
+            yield piece
 
     def close(self) -> None:
         """Free the backends' native resources (the LLMs themselves stay open)."""

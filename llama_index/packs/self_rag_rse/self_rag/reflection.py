@@ -59,6 +59,23 @@ REFLECTION_TOKENS: tuple[str, ...] = (
 #: Every special string a Self-RAG GGUF must hold as a single token.
 SELF_RAG_SPECIAL_TOKENS: tuple[str, ...] = REFLECTION_TOKENS + PARAGRAPH_TOKENS
 
+#: Self-RAG's instruction format (``retrieval_lm/utils.py`` in the reference code).
+PROMPT_TEMPLATE = "### Instruction:\n{query}\n\n### Response:\n"
+
+
+class MissingReflectionTokens(ValueError):
+    """The model's vocabulary lacks some (or all) Self-RAG special tokens."""
+
+    def __init__(self, missing: Sequence[str], found: Sequence[str]) -> None:
+        self.missing = list(missing)
+        self.found = list(found)
+        if not found:
+            what = f"{RETRIEVAL} token (nor any of the {len(missing)} Self-RAG special tokens)"
+        else:
+            what = f"{', '.join(missing)} token{'s' if len(missing) > 1 else ''}"
+        super().__init__(f"model has no {what}: pass a Self-RAG GGUF or use critic='prompted'")
+
+
 #: Log-prob the Self-RAG reference code gives a token absent from a top-N dict.
 MISSING_LOGPROB = -100.0
 

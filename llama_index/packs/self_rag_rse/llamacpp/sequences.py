@@ -1,23 +1,17 @@
 """Sequences of the batched decoder: what is asked (:class:`Request`), what one holds while
-decoding, what it returns, and a prompt held open in the KV cache between calls.
+decoding (:class:`Slot`), what it returns (:class:`SequenceOutput`), and the greedy step.
 
-These pieces need no llama.cpp call of their own: :class:`PromptSession` drives a
-:class:`~.conversation.Conversation`, and the greedy step works on logits already copied out.
+These pieces need no llama.cpp call of their own: the greedy step works on logits already
+copied out of the context.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import NDArray
-
-from llama_index.packs.self_rag_rse.llamacpp.context import DecodeError
-
-if TYPE_CHECKING:
-    from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
 
 
 @dataclass
@@ -30,7 +24,8 @@ class Request:
     the sequence (prompt and generated tokens) for the conversation's later calls, unchanged:
     they copy from it. Other sequences stay in the cache too while there is room, and a later
     call may continue one of them in place. ``truncated`` is handed back in the output (tokens
-    the caller cut to fit).
+    the caller cut to fit). ``on_token``, when given, is called with the tokens generated so far
+    after every greedy step (on the decoding thread: keep it short), for streaming.
     """
 
     tokens: Sequence[int]
@@ -39,6 +34,7 @@ class Request:
     stop_ids: Sequence[int] = ()
     keep: bool = False
     truncated: int = 0
+    on_token: Callable[[list[int]], None] | None = None
 
 
 @dataclass
@@ -80,6 +76,7 @@ class Slot:
     tracked: list[NDArray[np.float64]] = field(default_factory=list)
     finish_reason: str | None = None
     fed: int = 0  # generated tokens evaluated back into the sequence
+    on_token: Callable[[list[int]], None] | None = None
     logits: NDArray[np.float32] | None = None  # the last logits read (after all fed tokens)
 
 
@@ -129,6 +126,8 @@ def greedy_step(slot: Slot, logits: NDArray[np.float32], is_eog: Callable[[int],
     slot.tokens.append(token)
     slot.token_logprobs.append(float(top - log_z))
     slot.tracked.append(row[slot.track] - log_z)
+    if slot.on_token is not None:
+        slot.on_token(list(slot.tokens))
     if is_eog(token) or token in slot.stops:
         slot.finish_reason = "stop"
     elif len(slot.tokens) >= slot.max_new:
@@ -161,46 +160,3 @@ def failed(error: str, n_tracked: int, truncated: int = 0) -> SequenceOutput:
         truncated=truncated,
         error=error,
     )
-
-
-class PromptSession:
-    """One prompt held in the decoder's KV cache (see :meth:`BatchedDecoder.session`).
-
-    Every call raises :class:`~llama_index.packs.self_rag_rse.llamacpp.compat.ModelClosedError`
-    once the ``Llama`` was closed, also when that happened inside the session's ``with`` block.
-    """
-
-    def __init__(self, conversation: Conversation, prompt: list[int]) -> None:
-        self._conversation = conversation
-        self._prompt = prompt
-        self._closed = False
-
-    def _run(self, request: Request) -> SequenceOutput:
-        if self._closed:
-            raise RuntimeError("the session is closed: use it inside its `with` block only")
-        (out,) = self._conversation.run([request])
-        if out.error is not None:
-            raise DecodeError(out.error)
-        return out
-
-    def logprobs(self, track_ids: Sequence[int]) -> NDArray[np.float64]:
-        """Full-vocabulary log-probs of ``track_ids`` for the token after the prompt."""
-        out = self._run(Request(self._prompt, 1, track_ids, keep=True))
-        return np.asarray(out.tracked_logprobs[0], dtype=np.float64)
-
-    def generate(
-        self,
-        max_new_tokens: int,
-        track_ids: Sequence[int] = (),
-        *,
-        forced: Sequence[int] = (),
-        stop_ids: Sequence[int] = (),
-    ) -> SequenceOutput:
-        """Greedy continuation after the prompt and the ``forced`` tokens (not part of the output).
-
-        Each call starts again from the bare prompt, so a session can try several forced
-        openings; the prompt is evaluated once for all of them (and for :meth:`logprobs`).
-        Raises :class:`~.context.DecodeError` when llama.cpp fails.
-        """
-        tokens = [*self._prompt, *(int(t) for t in forced)]
-        return self._run(Request(tokens, max_new_tokens, track_ids, stop_ids))

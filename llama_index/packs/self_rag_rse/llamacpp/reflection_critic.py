@@ -4,29 +4,34 @@ A Self-RAG model critiques itself: after ``[Retrieval]<paragraph>...</paragraph>
 ``[Relevant]``/``[Irrelevant]``, the answer, a grounding token and a ``[Utility:k]`` token. This
 critic reads the probabilities of those tokens straight from the logits of one batched llama.cpp
 pass over all paragraphs (:class:`~llama_index.packs.self_rag_rse.llamacpp.decoder.BatchedDecoder`)
-and turns them into scores with the pure functions of :mod:`.reflection`.
+and turns them into scores with the pure functions of
+:mod:`llama_index.packs.self_rag_rse.self_rag.reflection`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from llama_index.core.instrumentation import get_dispatcher
 
-from llama_index.packs.self_rag_rse.common.bridge import SerialWorker
 from llama_index.packs.self_rag_rse.llamacpp import compat
-from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder
-from llama_index.packs.self_rag_rse.self_rag.base_critic import BaseCritic
-from llama_index.packs.self_rag_rse.self_rag.contract import ParagraphJudgement, RetrievalDecision
+from llama_index.packs.self_rag_rse.llamacpp.worker import DecoderWorker
+from llama_index.packs.self_rag_rse.self_rag.contract import (
+    BaseCritic,
+    ParagraphJudgement,
+    RetrievalDecision,
+)
 from llama_index.packs.self_rag_rse.self_rag.reflection import (
     NO_RETRIEVAL,
     PARAGRAPH_CLOSE,
     PARAGRAPH_OPEN,
+    PROMPT_TEMPLATE,
     REFLECTION_TOKENS,
     RETRIEVAL,
     SELF_RAG_SPECIAL_TOKENS,
+    MissingReflectionTokens,
     retrieval_probability,
     score_generation,
 )
@@ -37,27 +42,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
 
-T = TypeVar("T")
-
-#: Self-RAG's instruction format (``retrieval_lm/utils.py`` in the reference code).
-PROMPT_TEMPLATE = "### Instruction:\n{query}\n\n### Response:\n"
-
-
-class MissingReflectionTokens(ValueError):
-    """The model's vocabulary lacks some (or all) Self-RAG special tokens."""
-
-    def __init__(self, missing: Sequence[str], found: Sequence[str]) -> None:
-        self.missing = list(missing)
-        self.found = list(found)
-        if not found:
-            what = f"{RETRIEVAL} token (nor any of the {len(missing)} Self-RAG special tokens)"
-        else:
-            what = f"{', '.join(missing)} token{'s' if len(missing) > 1 else ''}"
-        super().__init__(f"model has no {what}: pass a Self-RAG GGUF or use critic='prompted'")
-
 
 class ReflectionCritic(BaseCritic):
-    """:class:`~.contract.Critic` for Self-RAG GGUFs (reflection tokens in the vocabulary).
+    """The critic for Self-RAG GGUFs (reflection tokens in the vocabulary) on llama.cpp.
 
     Args:
         llm: a ``llama_cpp.Llama`` holding a Self-RAG model (e.g. ``selfrag_llama2_7b``). Its
@@ -106,18 +93,18 @@ class ReflectionCritic(BaseCritic):
         self.token_ids: dict[str, int] = _resolve_token_ids(llm)
         self._reflection_ids = [self.token_ids[t] for t in REFLECTION_TOKENS]
         self._special_ids = frozenset(self.token_ids.values())
-        self.decoder = BatchedDecoder(
+        self._worker = DecoderWorker(
             llm,
+            "self-rag-critic",
             n_seq_max=n_seq_max,
             n_ctx=n_ctx,
-            n_batch=max(512, n_seq_max),
             n_threads=n_threads,
             kv_unified=kv_unified,
             flash_attn=flash_attn,
         )
-        self._worker = SerialWorker("self-rag-critic")
+        self.decoder = self._worker.decoder
 
-    # --- Critic protocol -----------------------------------------------------------------------
+    # --- the critic contract ----------------------------------------------------------------------
 
     def _decide_retrieval(
         self, query: str, threshold: float | None, answer_if_skipped: bool = True
@@ -196,11 +183,15 @@ class ReflectionCritic(BaseCritic):
             )
         return judgements
 
-    def _generate(self, query: str) -> str:
-        """Answer with no evidence: greedy continuation after ``[No Retrieval]``."""
+    def _generate(self, query: str, on_text: Callable[[str], None] | None = None) -> str:
+        """Answer with no evidence: greedy continuation after ``[No Retrieval]`` (``on_text``
+        gets the answer so far after every token)."""
         self.decoder.check_open()
+        on_token = None if on_text is None else (lambda t: on_text(self._answer_text(t)))
         with self.decoder.session(self._prompt(query)) as session:
-            out = session.generate(self.max_new_tokens, forced=[self.token_ids[NO_RETRIEVAL]])
+            out = session.generate(
+                self.max_new_tokens, forced=[self.token_ids[NO_RETRIEVAL]], on_token=on_token
+            )
         return self._answer_text(out.tokens)
 
     @dispatcher.span
@@ -208,32 +199,29 @@ class ReflectionCritic(BaseCritic):
         self, query: str, threshold: float | None, answer_if_skipped: bool = True
     ) -> RetrievalDecision:
         """Self-RAG's adaptive-retrieval gate (see :meth:`_decide_retrieval`)."""
-        return await self._worker.run(
-            self._held, self._decide_retrieval, query, threshold, answer_if_skipped
-        )
+        return await self._worker.run(self._decide_retrieval, query, threshold, answer_if_skipped)
 
     @dispatcher.span
     async def ajudge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
         """Answer from every paragraph in one batched pass and score each answer."""
-        return await self._worker.run(self._held, self._judge, query, paragraphs)
+        return await self._worker.run(self._judge, query, paragraphs)
 
     @dispatcher.span
     async def agenerate(self, query: str) -> str:
         """Answer with no evidence: greedy continuation after ``[No Retrieval]``."""
-        return await self._worker.run(self._held, self._generate, query)
+        return await self._worker.run(self._generate, query)
+
+    async def astream_generate(self, query: str) -> AsyncIterator[str]:
+        """The no-evidence answer, token by token as llama.cpp writes it."""
+        async for piece in self._worker.stream(self._generate, query):
+            yield piece
 
     def close(self) -> None:
         """Wait for running work, then free the critic's llama.cpp context (the ``Llama``
         itself stays open)."""
         self._worker.close()
-        self.decoder.close()
 
-    def _held(self, func: Callable[..., T], *args: Any) -> T:
-        """Run ``func`` holding the decoder, so the model cannot be closed half-way."""
-        with self.decoder.hold():
-            return func(*args)
-
-    # --- tokens ----------------------------------------------------------------------------------
+    # --- tokens -----------------------------------------------------------------------------------
 
     def _prompt(self, query: str) -> list[int]:
         return self._user_tokens(PROMPT_TEMPLATE.format(query=query), add_bos=True)

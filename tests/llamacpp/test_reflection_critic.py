@@ -10,7 +10,8 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from llama_index.packs.self_rag_rse.self_rag.contract import Critic, ParagraphJudgement
+from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
+from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic, ParagraphJudgement
 from llama_index.packs.self_rag_rse.self_rag.reflection import (
     FULLY_SUPPORTED,
     GROUNDING_TOKENS,
@@ -19,14 +20,11 @@ from llama_index.packs.self_rag_rse.self_rag.reflection import (
     PARAGRAPH_CLOSE,
     PARAGRAPH_OPEN,
     PARTIALLY_SUPPORTED,
+    PROMPT_TEMPLATE,
     REFLECTION_TOKENS,
     RELEVANT,
     RETRIEVAL,
     UTILITY_TOKENS,
-)
-from llama_index.packs.self_rag_rse.self_rag.reflection_critic import (
-    PROMPT_TEMPLATE,
-    ReflectionCritic,
 )
 
 QUERIES = [
@@ -90,7 +88,7 @@ def reference_judgement(
 
 
 def test_is_a_critic(critic: ReflectionCritic) -> None:
-    assert isinstance(critic, Critic)
+    assert isinstance(critic, BaseCritic)
     assert critic.name == "reflection"
 
 

@@ -1,0 +1,286 @@
+"""RelevantSegmentPostprocessor on stores that hold what they should not: two copies of a chunk,
+two versions of a document, chunk indices that are no positions, odd metadata values."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+import warnings
+
+import numpy as np
+import pytest
+from corpus import CORPUS
+from llama_index.core import Document
+from llama_index.core.node_parser import SentenceSplitter
+from llama_index.core.schema import NodeRelationship, NodeWithScore, RelatedNodeInfo
+
+from llama_index.packs.self_rag_rse import ChunkIndexer, RelevantSegmentPostprocessor
+
+BASE = (CORPUS / "execmodel.txt").read_text()
+
+
+def versions(v1_text: str, v2_text: str, *, stable: bool = False, chunk_size: int = 64):
+    """Document "doc" split and stamped twice: as ``v1_text``, then as ``v2_text``."""
+    splitter = SentenceSplitter(chunk_size=chunk_size, chunk_overlap=0)
+    out = []
+    for text in (v1_text, v2_text):
+        nodes = splitter.get_nodes_from_documents([Document(text=text, id_="doc")])
+        out.append(ChunkIndexer(stable_ids=stable)(nodes))
+    return out
+
+
+def qdrant_with(nodes, name: str):
+    from llama_index.vector_stores.qdrant import QdrantVectorStore
+    from qdrant_client import QdrantClient
+
+    store = QdrantVectorStore(client=QdrantClient(location=":memory:"), collection_name=name)
+    copies = [n.model_copy(deep=True) for n in nodes]
+    for node in copies:
+        node.embedding = [1.0, 0.0]
+    store.add(copies)
+    return store
+
+
+def scored(*pairs):
+    return [NodeWithScore(node=node, score=score) for node, score in pairs]
+
+
+def edited(text: str) -> str:
+    """The same text with one word changed everywhere (same length: same chunk boundaries)."""
+    return text.replace("the", "THE")
+
+
+# -- item 2: two hits with one chunk index ---------------------------------------------------------
+
+
+def test_two_hits_with_one_chunk_index_keep_both_texts_and_say_so(caplog):
+    v1, v2 = versions(BASE[:3000], edited(BASE[:3000]))
+    assert v1[3].text != v2[3].text
+    hits = scored((v2[3], 0.9), (v1[3], 0.85), (v2[5], 0.8))
+    rse = RelevantSegmentPostprocessor(calibration="raw")
+    with caplog.at_level(logging.WARNING), pytest.warns(UserWarning, match="claim the chunk"):
+        result = rse.postprocess_nodes(hits)
+    texts = [r.node.get_content() for r in result]
+    for hit in (v2[3], v1[3], v2[5]):  # the best hit's text is not lost to the stale copy
+        assert any(hit.text in text for text in texts)
+    assert result[-1].node is v1[3]  # the extra passes through, after the segments
+    with pytest.warns(UserWarning):
+        extraction = rse.extract(hits)
+    (conflict,) = [h for h in extraction.holes if h.left == h.right]
+    assert conflict.left == 3 and v1[3].node_id in conflict.reason
+    assert "claim chunk index 3" in caplog.text
+    with pytest.raises(ValueError, match="claim the chunk index"):
+        RelevantSegmentPostprocessor(calibration="raw", on_unplaceable="raise").extract(hits)
+
+
+def test_chunks_read_back_for_one_index_are_told_apart_by_version(whitespace_equal):
+    v1, v2 = versions(BASE[:3000], edited(BASE[:3000]))
+    store = qdrant_with(v1 + v2, "two-copies")  # a re-ingest without stable ids: both copies
+    hits = scored((v2[3], 0.7), (v1[3], 0.65), (v2[5], 0.6))
+    rse = RelevantSegmentPostprocessor(vector_store=store, calibration="raw")
+    with pytest.warns(UserWarning, match="claim the chunk"):
+        result = rse.postprocess_nodes(hits)
+    best = result[0].node
+    assert best.metadata["segment_node_ids"] == [v2[i].node_id for i in (3, 4, 5)]
+    start, end = best.metadata["segment_char_range"]
+    assert whitespace_equal(best.get_content(), edited(BASE[:3000])[start:end])
+
+
+def test_unversioned_copies_read_back_for_one_index_are_a_hole():
+    v1, v2 = versions(BASE[:3000], edited(BASE[:3000]))
+    for node in v1 + v2:  # copies from before versions were stamped, without document hashes
+        del node.metadata["chunk_version"]  # or links that tell the copies apart
+        node.relationships = {NodeRelationship.SOURCE: RelatedNodeInfo(node_id="doc")}
+    store = qdrant_with(v1 + v2, "unversioned")
+    assert v1[6].text != v2[6].text  # "the" became "THE" in it
+    hits = scored((v2[5], 0.7), (v2[7], 0.6))
+    rse = RelevantSegmentPostprocessor(vector_store=store, calibration="raw")
+    extraction = rse.extract(hits)
+    (hole,) = [h for h in extraction.holes if "2 different chunks at this position" in h.reason]
+    assert (hole.left, hole.right) == (5, 7)
+    for segment in extraction.segments:  # neither copy of chunk 6 joined the hits
+        assert {m.node_id for m in segment.members} <= {v2[5].node_id, v2[7].node_id}
+    # With the splitter's links, the copy linked to the hits is the one.
+    v1, v2 = versions(BASE[:3000], edited(BASE[:3000]))
+    for node in v1 + v2:
+        del node.metadata["chunk_version"]
+        node.relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id="doc")
+    store = qdrant_with(v1 + v2, "linked")
+    rse = RelevantSegmentPostprocessor(vector_store=store, calibration="raw")
+    (best, *_) = rse.extract(scored((v2[5], 0.7), (v2[7], 0.6))).segments
+    assert [m.node_id for m in best.members] == [v2[i].node_id for i in (5, 6, 7)]
+
+
+# -- item 3: stable ids and a shorter new version --------------------------------------------------
+
+
+def test_chunks_of_two_versions_are_never_joined(whitespace_equal):
+    old_text, new_text = BASE[:6000], edited(BASE[:3000])
+    v1, v2 = versions(old_text, new_text, stable=True)
+    assert len(v1) > len(v2) + 4
+    n = len(v2)
+    # Ingest v1, then v2 over it: v2 overwrites chunks 0..n-1, v1's tail stays, its first chunk
+    # linked PREVIOUS to the stable id v2's last chunk now has.
+    store = qdrant_with(v1, "versions")
+    store.add([node.model_copy(update={"embedding": [1.0, 0.0]}) for node in v2])
+    assert v1[n].relationships[NodeRelationship.PREVIOUS].node_id == v2[-1].node_id
+    hits = scored((v2[-2], 0.8), (v1[n], 0.75), (v1[n + 1], 0.7))
+    rse = RelevantSegmentPostprocessor(vector_store=store, calibration="raw")
+    result = rse.postprocess_nodes(hits)
+    old_ids, new_ids = {x.node_id for x in v1[n:]}, {x.node_id for x in v2}
+    for item in result:
+        members = set(item.node.metadata["segment_node_ids"])
+        assert members <= old_ids or members <= new_ids
+        text = new_text if members <= new_ids else old_text
+        start, end = item.node.metadata["segment_char_range"]
+        assert end <= len(text) and whitespace_equal(item.node.get_content(), text[start:end])
+    holes = rse.extract(hits).holes
+    assert any("different versions" in h.reason for h in holes)
+
+
+def test_two_versions_read_from_the_store_are_not_interleaved(whitespace_equal):
+    # No chunk index: the order comes from reading the document's nodes back; both versions'
+    # copies are there, one at every offset.
+    v1, v2 = versions(BASE[:3000], edited(BASE[:3000]))
+    for node in v1 + v2:
+        del node.metadata["chunk_index"]
+    store = qdrant_with(v1 + v2, "interleaved")
+    hits = scored((v2[3], 0.7), (v2[6], 0.6))
+    result = RelevantSegmentPostprocessor(vector_store=store, calibration="raw").postprocess_nodes(
+        hits
+    )
+    best = result[0].node
+    assert best.metadata["segment_node_ids"] == [v2[i].node_id for i in range(3, 7)]
+    start, end = best.metadata["segment_char_range"]
+    assert whitespace_equal(best.get_content(), edited(BASE[:3000])[start:end])
+
+
+def test_links_alone_do_not_join_two_versions(split):
+    v1, v2 = versions(BASE[:3000], edited(BASE[:3000]))
+    for node in (v1[4], v2[3]):
+        del node.metadata["chunk_index"]
+    # As stable ids leave them: v2's last chunk links to no successor, and the old version's
+    # next chunk links PREVIOUS to it.
+    v2[3].relationships.pop(NodeRelationship.NEXT)
+    v1[4].relationships[NodeRelationship.PREVIOUS] = RelatedNodeInfo(node_id=v2[3].node_id)
+    result = RelevantSegmentPostprocessor(calibration="raw").postprocess_nodes(
+        scored((v2[3], 0.9), (v1[4], 0.9))
+    )
+    assert [len(r.node.metadata["segment_node_ids"]) for r in result] == [1, 1]
+
+
+# -- item 6: chunk indices that are no positions ---------------------------------------------------
+
+
+@pytest.mark.parametrize("huge", [10**8, 10**12, 2**63 + 5])
+def test_a_huge_chunk_index_costs_no_more_than_a_small_one(doc_nodes, huge):
+    from llama_index.core.vector_stores import SimpleVectorStore
+
+    nodes = doc_nodes("doc", 4)
+    nodes[3].metadata["chunk_index"] = huge
+    requests = []
+
+    class IndexedStore(SimpleVectorStore):
+        """Answers chunk-index filters (so every gap could be read)."""
+
+        def get_nodes(self, node_ids=None, filters=None, limit=None):
+            requests.append(filters)
+            wanted = [i for sub in filters.filters for i in sub.filters[1].value]
+            return [nodes[i] for i in wanted if i < 3]
+
+    rse = RelevantSegmentPostprocessor(vector_store=IndexedStore(), calibration="raw")
+    started = time.perf_counter()
+    extraction = rse.extract(scored((nodes[0], 0.9), (nodes[2], 0.9), (nodes[3], 0.9)))
+    assert time.perf_counter() - started < 2.0
+    assert sorted((s.start, s.end) for s in extraction.segments) == [(0, 3), (huge, huge + 1)]
+    assert len(extraction.values) < 40  # positions near the hits only
+    (only,) = requests
+    assert [sub.filters[1].value for sub in only.filters] == [[1]]
+
+
+@pytest.mark.parametrize(
+    "value", [-1, 2.5, math.inf, -math.inf, math.nan, True, "third", np.array([1, 2])]
+)
+def test_a_chunk_index_that_is_no_position_is_an_error_naming_it(doc_nodes, value):
+    nodes = doc_nodes("doc", 3)
+    nodes[1].metadata["chunk_index"] = value
+    with pytest.raises(ValueError, match=r"node 'doc-1' has chunk_index=.*non-negative integer"):
+        RelevantSegmentPostprocessor(calibration="raw").postprocess_nodes(
+            scored(*((n, 0.9) for n in nodes))
+        )
+
+
+@pytest.mark.parametrize("value", [np.int64(1), 1.0, np.float32(1.0), "1"])
+def test_chunk_indices_of_other_number_types_are_read(doc_nodes, value):
+    nodes = doc_nodes("doc", 3)
+    nodes[1].metadata["chunk_index"] = value
+    (segment,) = RelevantSegmentPostprocessor(calibration="raw").postprocess_nodes(
+        scored(*((n, 0.9) for n in nodes))
+    )
+    assert segment.node.metadata["segment_chunk_range"] == [0, 3]
+
+
+def test_a_read_back_chunk_with_a_bad_index_is_a_hole(doc_nodes):
+    from llama_index.core.vector_stores import SimpleVectorStore
+
+    nodes = doc_nodes("doc", 3)
+    for node in nodes:
+        node.id_ = str(uuid.uuid5(uuid.NAMESPACE_URL, node.node_id))
+    bad = nodes[1].model_copy(deep=True)
+    bad.metadata["chunk_index"] = math.inf
+
+    class Store(SimpleVectorStore):
+        def get_nodes(self, node_ids=None, filters=None, limit=None):
+            return [bad]
+
+    rse = RelevantSegmentPostprocessor(vector_store=Store(), calibration="raw")
+    extraction = rse.extract(scored((nodes[0], 0.9), (nodes[2], 0.9)))
+    assert [(s.start, s.end) for s in extraction.segments] == [(0, 1), (2, 3)]
+    assert any("returned no chunk" in h.reason for h in extraction.holes)
+
+
+# -- item 10: odd metadata values ------------------------------------------------------------------
+
+
+def test_numpy_arrays_and_nan_in_metadata_are_kept_or_dropped_like_any_value(doc_nodes):
+    nodes = doc_nodes("doc", 3)
+    for i, node in enumerate(nodes):
+        node.metadata.update(
+            vector=np.array([1.0, math.nan]),  # shared, NaN included
+            own=np.array([i, i]),  # differs per chunk
+            weight=math.nan,  # shared NaN
+            nested={"a": [math.nan, 1]},
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (segment,) = RelevantSegmentPostprocessor(calibration="raw").postprocess_nodes(
+            scored(*((n, 0.9) for n in nodes))
+        )
+    metadata = segment.node.metadata
+    assert np.array_equal(metadata["vector"], [1.0, math.nan], equal_nan=True)
+    assert math.isnan(metadata["weight"]) and "own" not in metadata
+    assert metadata["nested"]["a"][1] == 1
+
+
+# -- item 4's sibling: scores and calibrations ----------------------------------------------------
+
+
+def test_scores_near_the_float_limit_and_bad_calibrations(doc_nodes):
+    nodes = doc_nodes("doc", 3)
+    hits = scored((nodes[0], 1e308), (nodes[1], 1.7e308), (nodes[2], 0.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow warning: huge scores clip to relevance 1
+        (segment,) = RelevantSegmentPostprocessor(calibration="cosine").postprocess_nodes(hits)
+    assert segment.node.metadata["segment_chunk_range"] == [0, 3]
+    short = RelevantSegmentPostprocessor(calibration=lambda s: s[:1])
+    with pytest.raises(ValueError, match=r"returned shape \(1,\) for scores of shape \(3,\)"):
+        short.postprocess_nodes(scored((nodes[0], 0.5), (nodes[1], 0.4), (nodes[2], 0.3)))
+    words = RelevantSegmentPostprocessor(calibration=lambda s: ["high"] * len(s))
+    with pytest.raises(ValueError, match="not numbers"):
+        words.postprocess_nodes(scored((nodes[0], 0.5)))
+    odd = NodeWithScore(node=nodes[0], score=0.5)
+    odd.score = "high"  # assigned after construction: pydantic does not check it
+    with pytest.raises(ValueError, match="'high' is not a number"):
+        RelevantSegmentPostprocessor().postprocess_nodes([odd])

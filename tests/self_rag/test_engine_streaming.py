@@ -1,0 +1,214 @@
+"""The engine as LlamaIndex apps use engines: async on the README's sync-only Qdrant folder,
+streaming (sync and async), and chat, on real parts (tiny GGUF, Qdrant local mode, MiniLM)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from llama_index.core.base.response.schema import AsyncStreamingResponse, StreamingResponse
+from retrievers import FixedRetriever
+
+from llama_index.packs.self_rag_rse import RelevantSegmentPostprocessor, SelfRAGQueryEngine
+
+QUESTION = "What does the while statement do?"
+
+
+@pytest.fixture(scope="module")
+def folder_index(corpus_nodes: Any, minilm: Any, tmp_path_factory: Any) -> Iterator[Any]:
+    """The README's setup: Qdrant local mode in a folder, a sync client only."""
+    from llama_index.core import StorageContext, VectorStoreIndex
+    from llama_index.vector_stores.qdrant import QdrantVectorStore
+    from qdrant_client import QdrantClient
+
+    client = QdrantClient(path=str(tmp_path_factory.mktemp("qdrant")))
+    store = QdrantVectorStore(client=client, collection_name="docs")
+    nodes = [n.model_copy(deep=True) for n in corpus_nodes]
+    index = VectorStoreIndex(
+        nodes, storage_context=StorageContext.from_defaults(vector_store=store), embed_model=minilm
+    )
+    yield index
+    client.close()
+
+
+def same(a: Any, b: Any) -> None:
+    assert str(a) == str(b)
+    assert [s.node.node_id for s in a.source_nodes] == [s.node.node_id for s in b.source_nodes]
+    assert [s.score for s in a.source_nodes] == pytest.approx([s.score for s in b.source_nodes])
+
+
+def test_the_readme_store_has_no_async_client(folder_index: Any) -> None:
+    with pytest.raises(Exception, match="Async client is not initialized"):
+        asyncio.run(folder_index.as_retriever().aretrieve(QUESTION))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"rse": True}, {"corrective": True, "rewrite_threshold": 1.0, "max_retrieval_rounds": 2}],
+    ids=["plain", "rse", "corrective"],
+)
+def test_aquery_equals_query_on_a_sync_only_store(
+    folder_index: Any, tiny_llm: Any, options: dict[str, Any]
+) -> None:
+    options = dict(options)
+    post = (
+        [RelevantSegmentPostprocessor(index=folder_index, preset="balanced")]
+        if options.pop("rse", False)
+        else []
+    )
+    engine = SelfRAGQueryEngine(
+        llm=tiny_llm,
+        retriever=folder_index.as_retriever(similarity_top_k=6),
+        node_postprocessors=post,
+        mode="always_retrieve",
+        ndocs=3,
+        **options,
+    )
+    same(asyncio.run(engine.aquery(QUESTION)), engine.query(QUESTION))
+
+
+def test_rse_reads_chunks_async_from_a_sync_only_store(folder_index: Any) -> None:
+    from llama_index.core.schema import QueryBundle
+
+    rse = RelevantSegmentPostprocessor(index=folder_index, preset="balanced")
+    hits = folder_index.as_retriever(similarity_top_k=8).retrieve(QUESTION)
+    bundle = QueryBundle(QUESTION)
+    sync = rse.postprocess_nodes(hits, query_bundle=bundle)
+    asynced = asyncio.run(rse.apostprocess_nodes(hits, query_bundle=bundle))
+    assert [n.node.get_content() for n in asynced] == [n.node.get_content() for n in sync]
+
+
+def test_eight_concurrent_aqueries_on_one_engine_complete(folder_index: Any, tiny_llm: Any) -> None:
+    engine = SelfRAGQueryEngine(
+        llm=tiny_llm,
+        retriever=folder_index.as_retriever(similarity_top_k=4),
+        mode="always_retrieve",
+        ndocs=2,
+    )
+    questions = [f"{QUESTION} ({i})" for i in range(8)]
+
+    async def all_of_them() -> list[Any]:
+        return list(await asyncio.gather(*(engine.aquery(q) for q in questions)))
+
+    answers = asyncio.run(all_of_them())
+    assert len(answers) == 8 and all(a.source_nodes for a in answers)
+    assert str(answers[3]) == str(engine.query(questions[3]))
+
+
+@pytest.mark.parametrize("mode", ["always_retrieve", "no_retrieval"])
+def test_streaming_returns_the_same_text_and_sources(tiny_llm: Any, mode: str) -> None:
+    def build(streaming: bool) -> SelfRAGQueryEngine:
+        return SelfRAGQueryEngine(
+            llm=tiny_llm, retriever=FixedRetriever(), mode=mode, streaming=streaming
+        )
+
+    plain = build(False).query(QUESTION)
+    streamed = build(True).query(QUESTION)
+    assert isinstance(streamed, StreamingResponse)
+    assert streamed.metadata is not None and "self_rag" in streamed.metadata
+    assert [s.node.node_id for s in streamed.source_nodes] == [
+        s.node.node_id for s in plain.source_nodes
+    ]
+    assert streamed.get_response().response == plain.response
+    assert str(streamed) == plain.response
+
+    async def async_text() -> tuple[str, str]:
+        response = await build(True).aquery(QUESTION)
+        assert isinstance(response, AsyncStreamingResponse)
+        pieces = [piece async for piece in response.async_response_gen()]
+        full = await response.get_response()
+        return "".join(pieces), str(full.response)
+
+    joined, full = asyncio.run(async_text())
+    assert joined == full == plain.response
+
+
+@pytest.fixture(scope="module")
+def talkative_llm(tmp_path_factory: Any) -> Iterator[Any]:
+    """A tiny Self-RAG model (seed 6) whose no-evidence answer to QUESTION has some length:
+    seed 0 answers it with reflection tokens only."""
+    from conftest import _llama
+    from tiny_gguf import write_tiny_gguf
+
+    llm = _llama(write_tiny_gguf(tmp_path_factory.mktemp("talk") / "talk.gguf", seed=6))
+    yield llm
+    llm.close()
+
+
+def test_a_no_retrieval_answer_streams_token_by_token(talkative_llm: Any) -> None:
+    def build(streaming: bool) -> SelfRAGQueryEngine:
+        return SelfRAGQueryEngine(
+            llm=talkative_llm, retriever=FixedRetriever(), mode="no_retrieval", streaming=streaming
+        )
+
+    expected = build(False).query(QUESTION).response
+    pieces = list(build(True).query(QUESTION).response_gen)
+    assert len(pieces) > 1, pieces
+    assert "".join(pieces) == expected
+
+    async def async_pieces() -> list[str]:
+        response = await build(True).aquery(QUESTION)
+        return [piece async for piece in response.async_response_gen()]
+
+    pieces = asyncio.run(async_pieces())
+    assert len(pieces) > 1 and "".join(pieces) == expected
+
+
+def test_the_prompted_critic_streams_through_its_llm() -> None:
+    """An LLM that streams (here core's MockLLM, which echoes the prompt) streams the answer;
+    one that does not (ScriptedLLM) answers in one piece; both give the non-streamed text."""
+    from llama_index.core.llms import MockLLM
+    from scripted import ScriptedLLM
+
+    for llm, many in ((MockLLM(max_tokens=12), True), (ScriptedLLM(lambda p: " a b c "), False)):
+        engine = SelfRAGQueryEngine(
+            llm=llm, critic="prompted", retriever=FixedRetriever(), mode="no_retrieval"
+        )
+        expected = engine.query(QUESTION).response
+        engine.streaming = True
+        pieces = list(engine.query(QUESTION).response_gen)
+        assert "".join(pieces) == expected
+        assert (len(pieces) > 1) is many
+
+
+def test_print_response_stream_prints_the_answer(tiny_llm: Any, capsys: Any) -> None:
+    engine = SelfRAGQueryEngine(
+        llm=tiny_llm, retriever=FixedRetriever(), mode="always_retrieve", streaming=True
+    )
+    response = engine.query(QUESTION)
+    response.print_response_stream()
+    assert capsys.readouterr().out.strip() == str(response).strip()
+
+
+def test_chat_over_the_engine(tiny_llm: Any) -> None:
+    from llama_index.core.chat_engine import CondenseQuestionChatEngine
+    from llama_index.core.llms import MockLLM
+
+    def chat_engine(streaming: bool) -> Any:
+        engine = SelfRAGQueryEngine(
+            llm=tiny_llm, retriever=FixedRetriever(), mode="always_retrieve", streaming=streaming
+        )
+        return CondenseQuestionChatEngine.from_defaults(query_engine=engine, llm=MockLLM())
+
+    expected = SelfRAGQueryEngine(
+        llm=tiny_llm, retriever=FixedRetriever(), mode="always_retrieve"
+    ).query(QUESTION)
+    answer = chat_engine(False).chat(QUESTION)
+    assert answer.response == expected.response and answer.source_nodes
+    assert chat_engine(True).chat(QUESTION).response == expected.response
+    streamed = chat_engine(True).stream_chat(QUESTION)
+    assert "".join(streamed.response_gen) == expected.response
+    asked = asyncio.run(chat_engine(False).achat(QUESTION))
+    assert asked.response == expected.response
+
+
+def test_streamed_answers_close_cleanly_when_abandoned(talkative_llm: Any) -> None:
+    engine = SelfRAGQueryEngine(
+        llm=talkative_llm, retriever=FixedRetriever(), mode="no_retrieval", streaming=True
+    )
+    response = engine.query(QUESTION)
+    next(iter(response.response_gen))
+    response.response_gen.close()  # a chat UI that stops listening
+    assert str(engine.query(QUESTION))  # the engine still answers

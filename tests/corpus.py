@@ -34,3 +34,14 @@ def qdrant_index(nodes, minilm, *, keep_chunk_index: bool = True, collection: st
     store = QdrantVectorStore(client=QdrantClient(location=":memory:"), collection_name=collection)
     storage = StorageContext.from_defaults(vector_store=store)
     return VectorStoreIndex(nodes, storage_context=storage, embed_model=minilm)
+
+
+def unlinked(nodes):
+    """Copies of ``nodes`` without NEXT/PREVIOUS links (offsets and indices kept)."""
+    from llama_index.core.schema import NodeRelationship
+
+    nodes = [n.model_copy(deep=True) for n in nodes]
+    for node in nodes:
+        node.relationships.pop(NodeRelationship.NEXT, None)
+        node.relationships.pop(NodeRelationship.PREVIOUS, None)
+    return nodes

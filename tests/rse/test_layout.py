@@ -3,32 +3,15 @@
 from __future__ import annotations
 
 import numpy as np
+from corpus import unlinked
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from llama_index.core.schema import NodeRelationship
 
+from llama_index.packs.self_rag_rse.common.bridge import drive
 from llama_index.packs.self_rag_rse.rse.chunk_sources import ChunkSource
 from llama_index.packs.self_rag_rse.rse.layout import DocumentLayout, lay_out
 from llama_index.packs.self_rag_rse.rse.segments import find_best_segments
 from llama_index.packs.self_rag_rse.rse.types import DocumentRegion, SegmentExtraction
-
-
-def drive(plan, source: ChunkSource):
-    """Run a request generator against ``source`` (what the postprocessor does)."""
-    try:
-        request = next(plan)
-        while True:
-            request = plan.send(source.run(request))
-    except StopIteration as done:
-        return done.value
-
-
-def unlinked(nodes):
-    nodes = [n.model_copy(deep=True) for n in nodes]
-    for node in nodes:
-        node.relationships.pop(NodeRelationship.NEXT, None)
-        node.relationships.pop(NodeRelationship.PREVIOUS, None)
-    return nodes
 
 
 def test_layout_regions_stop_at_breaks_and_unreadable_chunks(doc_nodes):
@@ -52,7 +35,7 @@ def test_lay_out_from_a_docstore_record(split, docstore_with):
     store.delete_document(nodes[3].node_id)
     source = ChunkSource(docstore=store)
     layouts = drive(
-        lay_out({"execmodel": [nodes[2], nodes[4]]}, source, "chunk_index", 100), source
+        lay_out({"execmodel": [nodes[2], nodes[4]]}, source, "chunk_index", 100), source.run
     )
     layout = layouts["execmodel"]
     assert layout.order == "docstore" and layout.fetchable
@@ -68,7 +51,7 @@ def test_lay_out_without_store_uses_links_and_skips_the_unorderable(split):
     bare.id_ = "bare"
     source = ChunkSource()
     docs = {"execmodel": [nodes[2], nodes[3]], "other": [bare]}
-    layouts = drive(lay_out(docs, source, "chunk_index", 100), source)
+    layouts = drive(lay_out(docs, source, "chunk_index", 100), source.run)
     assert set(layouts) == {"execmodel"} and layouts["execmodel"].renumbered
     assert not layouts["execmodel"].fetchable and source.calls == 0
 
@@ -139,7 +122,7 @@ def test_two_hits_with_one_index_the_better_ranked_is_placed(doc_nodes):
     stale.id_ = "stale-2"
     source = ChunkSource()
     docs = {"doc": [nodes[2], stale, nodes[3]]}  # best first
-    layout = drive(lay_out(docs, source, "chunk_index", 100), source)["doc"]
+    layout = drive(lay_out(docs, source, "chunk_index", 100), source.run)["doc"]
     assert layout.held[2] is nodes[2] and layout.conflicts == [stale]
     (hole,) = layout.holes
     assert (hole.left, hole.right) == (2, 2) and "both claim chunk index 2" in hole.reason

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from corpus import unlinked
 from llama_index.core.schema import NodeRelationship, RelatedNodeInfo
 
 from llama_index.packs.self_rag_rse.rse.ordering import (
@@ -15,14 +16,6 @@ from llama_index.packs.self_rag_rse.rse.ordering import (
     run_breaks,
     with_missing_slots,
 )
-
-
-def unlinked(nodes):
-    nodes = [n.model_copy(deep=True) for n in nodes]
-    for node in nodes:
-        node.relationships.pop(NodeRelationship.NEXT, None)
-        node.relationships.pop(NodeRelationship.PREVIOUS, None)
-    return nodes
 
 
 def test_document_order_by_offsets_or_by_links(split):

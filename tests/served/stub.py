@@ -3,15 +3,18 @@
 ``StubServer(handler)`` runs ``handler(method, path, body) -> Reply`` for every request in a
 thread of its own (``ThreadingHTTPServer``), records how many requests it saw and how many were
 in flight at once, and stops in ``close()`` (or at the end of a ``with`` block).
+``DripServer(answer, interval)`` sends a whole HTTP answer one byte every ``interval`` seconds:
+a server that never stalls long enough for a per-read timeout.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -23,6 +26,7 @@ class Reply:
     status: int = 200
     body: bytes = b"{}"
     delay: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def json(cls, value: Any, status: int = 200, delay: float = 0.0) -> Reply:
@@ -65,6 +69,8 @@ class StubServer:
                     self.send_response(reply.status)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(reply.body)))
+                    for name, value in reply.headers.items():
+                        self.send_header(name, value)
                     self.end_headers()
                     self.wfile.write(reply.body)
                 except (BrokenPipeError, ConnectionResetError):
@@ -106,3 +112,56 @@ def forward(upstream: str, method: str, path: str, body: Any, timeout: float = 3
 
     response = httpx.request(method, upstream + path, json=body, timeout=timeout)
     return Reply(response.status_code, response.content)
+
+
+class DripServer:
+    """A raw HTTP server on 127.0.0.1 that answers every connection with ``answer`` (status line,
+    headers and body), one byte every ``interval`` seconds after the first ``at_once`` bytes; it
+    stops dripping when the client goes away or at ``close()``."""
+
+    def __init__(self, answer: bytes, interval: float, at_once: int = 0) -> None:
+        self.answer = answer
+        self.interval = interval
+        self.at_once = at_once
+        self._stop = threading.Event()
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen()
+        self._sock.settimeout(0.1)
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._drip, args=(conn,), daemon=True).start()
+
+    def _drip(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(5)
+            try:
+                conn.recv(65536)  # the request; its content does not matter
+                conn.sendall(self.answer[: self.at_once])
+                for i in range(self.at_once, len(self.answer)):
+                    if self._stop.wait(self.interval):
+                        return
+                    conn.sendall(self.answer[i : i + 1])
+            except OSError:
+                return  # the client gave up
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sock.close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> DripServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

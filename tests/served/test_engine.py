@@ -113,7 +113,7 @@ def test_prompted_critic_over_a_served_llm(chat: bool, llama_server: Any) -> Non
                 logprobs=True,
                 top_logprobs=20,
             )
-        critic = PromptedCritic(llm, num_workers=2)
+        critic = PromptedCritic.from_llm(llm, num_workers=2)
         try:
             judgements = critic.judge(QUESTION, [text for _, text, _ in _paragraphs()])
         finally:

@@ -8,17 +8,20 @@ critic's timeout. Every test bounds its requests in number and time.
 
 from __future__ import annotations
 
+import json
+import math
 import socket
 import time
 from typing import Any
 
 import pytest
-from served.stub import Reply, StubServer, forward
+from served.stub import DripServer, Reply, StubServer, forward
 
 from llama_index.packs.self_rag_rse.served import (
     MalformedResponse,
     ServedReflectionCritic,
     ServerHTTPError,
+    ServerRedirect,
     ServerTimeout,
     ServerUnavailable,
 )
@@ -146,3 +149,78 @@ def test_requests_in_flight_are_bounded_by_num_workers(llama_server: Any) -> Non
             critic.close()
         assert all(j.error is None for j in judgements)
         assert proxy.max_in_flight == 2
+
+
+def _answer(body: bytes, status: str = "200 OK") -> bytes:
+    head = f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+    return head.encode() + b"\r\n\r\n" + body
+
+
+@pytest.mark.parametrize("dripped", ["everything", "the body"])
+def test_the_timeout_bounds_the_whole_request_not_each_read(dripped: str) -> None:
+    # A byte every 25 ms never leaves a read waiting for 1 s: a per-read timeout never fires,
+    # and a request would take as long as the server likes (before: ~3 s per request here).
+    body = json.dumps({"default_generation_settings": {"n_ctx": 512}, "pad": "x" * 60}).encode()
+    answer = _answer(body)
+    at_once = 0 if dripped == "everything" else len(answer) - len(body)
+    with DripServer(answer, interval=0.025, at_once=at_once) as drip:
+        critic = ServedReflectionCritic(drip.url, api="llama.cpp", timeout=1.0)
+        started = time.monotonic()
+        try:
+            with pytest.raises(ServerTimeout, match=rf"{drip.url}/props timed out after 1 s"):
+                critic.connect()
+        finally:
+            critic.close()
+        assert time.monotonic() - started < 2.0
+
+
+@pytest.mark.parametrize("api", ["auto", "llama.cpp", "openai"])
+def test_a_redirect_is_reported_as_a_redirect_with_the_fix(api: str) -> None:
+    def moved(method: str, path: str, body: Any) -> Reply:
+        return Reply(302, b"", headers={"Location": f"https://models.example/selfrag{path}"})
+
+    with StubServer(moved) as stub:
+        critic = ServedReflectionCritic(stub.url, api=api, timeout=5)  # type: ignore[arg-type]
+        try:
+            with pytest.raises(ServerRedirect) as caught:
+                critic.connect()
+        finally:
+            critic.close()
+        assert len(stub.requests) == 1  # reported at once, not retried elsewhere
+    message = str(caught.value)
+    assert "HTTP 302" in message and "not JSON" not in message
+    assert caught.value.status == 302
+    # The OpenAI API's first request asks /v1/models which kind of server it is.
+    path = "/v1/models" if api == "openai" else "/props"
+    assert caught.value.location == f"https://models.example/selfrag{path}"
+    fixed = "https://models.example/selfrag" + ("/v1" if api == "openai" else "")
+    assert f"{stub.url}{path}" in message and f"point base_url at {fixed}" in message
+
+
+def test_a_redirect_without_a_location_says_so() -> None:
+    with StubServer(lambda method, path, body: Reply(307, b"")) as stub:
+        critic = ServedReflectionCritic(stub.url, api="llama.cpp", timeout=5)
+        try:
+            with pytest.raises(ServerRedirect, match=r"HTTP 307 .*no Location"):
+                critic.connect()
+        finally:
+            critic.close()
+
+
+@pytest.mark.parametrize("timeout", [0, -1, math.nan, math.inf])
+def test_a_timeout_must_be_a_finite_number_of_seconds(timeout: float) -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        ServedReflectionCritic("http://127.0.0.1:1", timeout=timeout)
+
+
+@pytest.mark.parametrize("timeout", [math.inf, math.nan, True, -3.0])
+def test_an_llm_timeout_that_is_no_timeout_leaves_the_default(timeout: Any) -> None:
+    from types import SimpleNamespace
+
+    from llama_index.packs.self_rag_rse.served.endpoint import endpoint_of
+
+    llm = SimpleNamespace(api_base="http://127.0.0.1:1/v1", model="m", timeout=timeout)
+    endpoint = endpoint_of(llm)
+    assert endpoint is not None and endpoint.timeout is None
+    critic = ServedReflectionCritic.from_llm(llm)  # constructs: the default timeout applies
+    critic.close()

@@ -1,7 +1,9 @@
 """The served reflection critic against llama.cpp's llama-server on the tiny F32 GGUFs.
 
 The key property: on the same model, the served critic's answers and scores equal the
-in-process critic's (to 1e-3), for CONTROL- and USER_DEFINED-typed reflection tokens alike.
+in-process critic's (to 1e-3), for CONTROL- and USER_DEFINED-typed reflection tokens alike,
+through the native API and through llama-server's ``/v1/completions``; and a server that does
+not decode greedily fails the judgement instead of changing it.
 """
 
 from __future__ import annotations
@@ -10,15 +12,10 @@ from typing import Any
 
 import pytest
 
-from llama_index.packs.self_rag_rse.self_rag.contract import Critic
-from llama_index.packs.self_rag_rse.self_rag.reflection_critic import (
-    MissingReflectionTokens,
-    ReflectionCritic,
-)
-from llama_index.packs.self_rag_rse.served import (
-    ReflectionTokensUnidentifiable,
-    ServedReflectionCritic,
-)
+from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
+from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic
+from llama_index.packs.self_rag_rse.self_rag.reflection import MissingReflectionTokens
+from llama_index.packs.self_rag_rse.served import ServedReflectionCritic, ServerNotGreedy
 
 QUERIES = ["What is the capital of France?", "Who wrote Hamlet?", "why is the sky blue"]
 PARAGRAPHS = [
@@ -60,7 +57,7 @@ def critics(
 
 def test_served_scores_equal_the_in_process_scores(critics: Any) -> None:
     local, served = critics
-    assert isinstance(served, Critic) and served.name == "reflection"
+    assert isinstance(served, BaseCritic) and served.name == "reflection"
     for query in QUERIES[:2]:
         before = served.requests
         judgements = served.judge(query, PARAGRAPHS)
@@ -117,40 +114,57 @@ def test_bound_mode_is_flagged(critics: Any) -> None:
         bounded.close()
 
 
-def test_openai_completions_identify_user_defined_tokens(tiny_llm: Any, llama_server: Any) -> None:
-    local = ReflectionCritic(tiny_llm, max_new_tokens=MAX_NEW, n_seq_max=4)
-    # The text keys carry no follow-up: ask for the whole (tiny) vocabulary to be exact.
+@pytest.mark.parametrize("typing", ["user_defined", "control"])
+def test_llama_servers_openai_completions_equal_the_in_process_scores(
+    typing: str, tiny_llm: Any, tiny_llm_control: Any, llama_server: Any
+) -> None:
+    # llama-server's /v1 entries carry token ids, and its /tokenize gives the prompts' ids: both
+    # typings work, and follow-ups go to the same server's native API.
+    llm = tiny_llm if typing == "user_defined" else tiny_llm_control
+    local = ReflectionCritic(llm, max_new_tokens=MAX_NEW, n_seq_max=4)
     served = ServedReflectionCritic(
-        llama_server("user_defined").url + "/v1",
-        api="openai",
-        max_new_tokens=MAX_NEW,
-        top_logprobs=2048,
+        llama_server(typing).url + "/v1", api="openai", max_new_tokens=MAX_NEW, top_logprobs=2
     )
     try:
         judgements = served.judge(QUERIES[0], PARAGRAPHS)
         assert_same(judgements, local.judge(QUERIES[0], PARAGRAPHS))
+        assert all(j.details["server"] == "llama.cpp" for j in judgements)
         assert not any("bounded" in j.details for j in judgements)
-        assert served.info.api == "openai"
-        assert not served.info.verified  # llama.cpp's /v1/completions has no echo
+        assert any("refetched" in j.details for j in judgements)
+        assert served.info.api == "openai" and served.info.verified
         gate = served.decide_retrieval(QUERIES[1], 0.5)
         assert gate.probability == pytest.approx(
             local.decide_retrieval(QUERIES[1], 0.5).probability, abs=TOL
         )
+        assert served.generate(QUERIES[2]) == local.generate(QUERIES[2])
     finally:
         served.close()
         local.close()
 
 
-def test_openai_completions_cannot_identify_control_tokens(llama_server: Any) -> None:
-    # The upstream pack's bug, made loud: CONTROL tokens decode to "" in string-keyed log-probs.
-    served = ServedReflectionCritic(
-        llama_server("control").url + "/v1", api="openai", max_new_tokens=MAX_NEW
-    )
-    try:
-        with pytest.raises(ReflectionTokensUnidentifiable, match=r"127\.0\.0\.1.*api='llama.cpp'"):
-            served.judge(QUERIES[0], PARAGRAPHS[:2])
-    finally:
-        served.close()
+def test_a_penalty_the_client_cannot_turn_off_fails_the_judgement(llama_server: Any) -> None:
+    from served.stub import Reply, StubServer, forward
+
+    upstream = llama_server("user_defined").url
+
+    def penalise(method: str, path: str, body: Any) -> Reply:
+        # As if the server (or a proxy before it) ignored the request's sampler chain.
+        if path == "/completion" and not body.get("post_sampling_probs"):
+            body = {**body, "samplers": ["penalties", "top_k"], "presence_penalty": 1.5}
+        return forward(upstream, method, path, body)
+
+    with StubServer(penalise) as proxy:
+        served = ServedReflectionCritic(proxy.url, max_new_tokens=MAX_NEW, timeout=30)
+        try:
+            with pytest.raises(ServerNotGreedy) as caught:
+                for query in QUERIES:
+                    served.judge(query, PARAGRAPHS)
+        finally:
+            served.close()
+    message = str(caught.value)
+    assert f"{proxy.url}/completion (llama.cpp)" in message
+    assert f"at generated position {caught.value.position}" in message
+    assert "cannot turn off" in message
 
 
 def test_a_model_without_reflection_tokens_is_refused(llama_server: Any) -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import math
+from typing import Any
+
 import pytest
 
 from llama_index.packs.self_rag_rse.served.wire import (
@@ -10,6 +14,7 @@ from llama_index.packs.self_rag_rse.served.wire import (
     key_id,
     parse_echo_tokens,
     parse_native,
+    parse_native_post_sampling,
     parse_openai,
     split_tokens,
 )
@@ -54,6 +59,22 @@ def test_native_positions_follow_the_generated_ids_and_mark_gaps() -> None:
         {
             "tokens": [1],
             "completion_probabilities": [{"id": 1, "logprob": "x", "top_logprobs": []}],
+        },
+        {  # a candidate id that is no id
+            "tokens": [1],
+            "completion_probabilities": [
+                {"id": 1, "logprob": -0.1, "top_logprobs": [{"id": "x", "logprob": -0.1}]}
+            ],
+        },
+        {  # a byte that is no byte
+            "tokens": [1],
+            "completion_probabilities": [
+                {
+                    "id": 1,
+                    "logprob": -0.1,
+                    "top_logprobs": [{"id": 1, "logprob": -0.1, "bytes": [300]}],
+                }
+            ],
         },
     ],
 )
@@ -131,3 +152,87 @@ def test_keys_echo_and_split() -> None:
     assert parse_echo_tokens(echo) == ["<s>", "[Retrieval]"]
     assert split_tokens([1, 5, -1, 6, 7, -1], -1) == [[1, 5], [6, 7], []]
     assert split_tokens([{"id": 1, "piece": "a"}], -1) == [[1]]
+
+
+# -- numbers from the server: log-probs are finite and <= 0, probabilities lie in [0, 1] ----------
+
+BAD_LOGPROBS = [math.nan, math.inf, -math.inf, 0.5]
+
+
+def _native(token_lp: float, candidate_lp: float) -> dict:
+    return {
+        "tokens": [5, 9],
+        "completion_probabilities": [
+            entry(5, -0.1, [(5, -0.1, b"a")]),
+            entry(9, token_lp, [(9, candidate_lp, b"!"), (7, -2.0, b"?")]),
+        ],
+    }
+
+
+def _legacy(token_lp: float, candidate_lp: float) -> dict:
+    logprobs = {
+        "tokens": ["[Relevant]", " Paris"],
+        "token_logprobs": [-0.2, token_lp],
+        "top_logprobs": [{"[Relevant]": -0.2}, {" Paris": candidate_lp, " Lyon": -2.0}],
+    }
+    return {"choices": [{"text": "[Relevant] Paris", "logprobs": logprobs}]}
+
+
+def _content(token_lp: float, candidate_lp: float) -> dict:
+    def item(token: str, lp: float, top: list[tuple[str, float]]) -> dict:
+        tops = [{"token": t, "logprob": v} for t, v in top]
+        return {"token": token, "logprob": lp, "top_logprobs": tops}
+
+    content = [
+        item("[Relevant]", -0.2, [("[Relevant]", -0.2)]),
+        item(" Paris", token_lp, [(" Paris", candidate_lp), (" Lyon", -2.0)]),
+    ]
+    return {"choices": [{"text": "[Relevant] Paris", "logprobs": {"content": content}}]}
+
+
+@pytest.mark.parametrize("bad", BAD_LOGPROBS)
+@pytest.mark.parametrize(
+    ("parse", "make"),
+    [(parse_native, _native), (parse_openai, _legacy), (parse_openai, _content)],
+    ids=["native", "legacy", "content"],
+)
+@pytest.mark.parametrize("where", ["token", "candidate"])
+def test_a_logprob_that_is_no_logprob_is_refused_with_its_position(
+    parse: Any, make: Any, where: str, bad: float
+) -> None:
+    body = make(bad, -0.3) if where == "token" else make(-0.3, bad)
+    # As a server sends it: Python's json writes NaN and Infinity, and httpx reads them back.
+    body = json.loads(json.dumps(body))
+    with pytest.raises(MalformedBody, match=r"position 1\b.*not a log-prob"):
+        parse(body)
+
+
+@pytest.mark.parametrize(
+    ("parse", "make"),
+    [(parse_native, _native), (parse_openai, _legacy), (parse_openai, _content)],
+    ids=["native", "legacy", "content"],
+)
+def test_a_logprob_rounded_just_above_zero_reads_as_zero(parse: Any, make: Any) -> None:
+    completion = parse(make(1e-7, 2e-6))
+    last = completion.positions[1]
+    assert last.logprob == 0.0 and max(last.top.values()) == 0.0
+
+
+def _post_sampling(prob: Any) -> dict:
+    top = [{"id": 5, "prob": prob}, {"id": 6, "prob": 0.25}]
+    return {"completion_probabilities": [{"id": 5, "top_probs": top}]}
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -0.1, 1.5, "0.5", True])
+def test_a_probability_outside_zero_one_is_refused(bad: Any) -> None:
+    with pytest.raises(MalformedBody, match=r"position 0\b.*probability"):
+        parse_native_post_sampling(json.loads(json.dumps(_post_sampling(bad))))
+
+
+def test_probabilities_in_range_become_logprobs() -> None:
+    assert parse_native_post_sampling(_post_sampling(0.75)) == {
+        id_key(5): pytest.approx(math.log(0.75)),
+        id_key(6): pytest.approx(math.log(0.25)),
+    }
+    assert parse_native_post_sampling(_post_sampling(1.0 + 1e-7))[id_key(5)] == 0.0
+    assert id_key(5) not in parse_native_post_sampling(_post_sampling(0.0))

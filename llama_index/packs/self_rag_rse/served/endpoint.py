@@ -7,6 +7,7 @@ fields works and nothing here imports ``llama-index-llms-openai``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -44,6 +45,27 @@ def endpoint_of(llm: Any) -> Endpoint | None:
         base_url=base,
         model=model if isinstance(model, str) else None,
         api_key=key if isinstance(key, str) and key else None,
-        timeout=float(timeout) if isinstance(timeout, int | float) and timeout > 0 else None,
+        timeout=_seconds(timeout),
         is_chat_model=bool(getattr(metadata, "is_chat_model", False)),
     )
+
+
+def _seconds(value: Any) -> float | None:
+    """An LLM's timeout when it is a finite number of seconds > 0; else ``None`` (the critic's
+    default applies: an infinite or missing timeout would let one request hang for ever)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value > 0 else None
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``(root, openai_base)`` of a server URL given either way (``http://h:p`` or ``.../v1``)."""
+    url = url.rstrip("/")
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ValueError(
+            f"base_url must be an http(s) URL such as http://127.0.0.1:8080, got {url!r}"
+        )
+    if parsed.path.endswith("/v1"):
+        return url[: -len("/v1")], url
+    return url, f"{url}/v1"

@@ -5,7 +5,10 @@ One ``httpx.AsyncClient`` and one semaphore per event loop (an async client belo
 that created it; the package's sync bridge runs everything on one private loop, so in practice
 there is one of each). At most ``num_workers`` requests are in flight per loop: set it to the
 server's parallel slots (llama.cpp ``--parallel``) or a little more. Nothing is retried: a model
-server that failed once is reported, not hammered.
+server that failed once is reported, not hammered. ``timeout`` bounds each request from sending to
+the last byte of the answer (httpx's own timeouts bound each read only: a server that drips a
+byte a second would never trip them). Redirects are not followed: one is reported with its
+target, so the URL can be fixed once instead of paying a detour on every request.
 """
 
 from __future__ import annotations
@@ -13,12 +16,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import threading
 import weakref
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+from urllib.parse import urljoin
 
 import httpx
+
+from llama_index.packs.self_rag_rse.served.wire import MalformedBody
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +55,15 @@ class ServerHTTPError(ServerError):
         super().__init__(message, url)
         self.status = status
         self.body = body
+
+
+class ServerRedirect(ServerError):
+    """The server answered with a redirect (HTTP 3xx), which the client does not follow."""
+
+    def __init__(self, message: str, url: str, status: int, location: str | None) -> None:
+        super().__init__(message, url)
+        self.status = status
+        self.location = location
 
 
 class MalformedResponse(ServerError):
@@ -78,8 +96,8 @@ class JSONClient:
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}")
         self.base_url = base_url.rstrip("/")
         self.timeout = float(timeout)
         self.num_workers = num_workers
@@ -116,14 +134,26 @@ class JSONClient:
         """GET ``path`` and return the decoded JSON answer."""
         return await self._request("GET", path, None)
 
+    async def post_parsed(self, path: str, body: Mapping[str, Any], parse: Callable[[Any], T]) -> T:
+        """POST ``body`` to ``path`` and ``parse`` the answer; a body ``parse`` rejects
+        (:class:`~.wire.MalformedBody`) becomes :class:`MalformedResponse` naming the URL."""
+        answer = await self.post(path, body)
+        try:
+            return parse(answer)
+        except MalformedBody as exc:
+            url = self.url(path)
+            raise MalformedResponse(f"{url} answered an unexpected body: {exc}", url) from exc
+
     async def _request(self, method: str, path: str, body: Mapping[str, Any] | None) -> Any:
         url = self.url(path)
         client, limit = self._client()
-        async with limit:
+        async with limit:  # waiting for a free worker is not part of the request's time
             self.requests += 1
             try:
-                response = await client.request(method, url, json=body)
-            except httpx.TimeoutException as exc:
+                response = await asyncio.wait_for(
+                    client.request(method, url, json=body), self.timeout
+                )
+            except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
                 raise ServerTimeout(
                     f"{method} {url} timed out after {self.timeout:g} s ({type(exc).__name__}): "
                     "raise timeout=, lower max_new_tokens, or give the server more parallel slots",
@@ -139,6 +169,8 @@ class JSONClient:
                 raise ServerUnavailable(
                     f"{method} {url} failed: {type(exc).__name__}: {exc}", url
                 ) from exc
+        if 300 <= response.status_code < 400:
+            raise self._redirect(method, path, response)
         if response.status_code >= 400:
             text = response.text
             raise ServerHTTPError(
@@ -155,6 +187,31 @@ class JSONClient:
                 f"JSON: {_clip(response.text)!r}",
                 url,
             ) from exc
+
+    def _redirect(self, method: str, path: str, response: httpx.Response) -> ServerRedirect:
+        url = self.url(path)
+        status = response.status_code
+        header = response.headers.get("location")
+        if not header:
+            return ServerRedirect(
+                f"{method} {url} answered HTTP {status} (a redirect) with no Location: point "
+                "base_url at the server's final URL (redirects are not followed)",
+                url,
+                status,
+                None,
+            )
+        location = urljoin(url, header)
+        # The base URL that reaches the same path directly, when the target keeps the path.
+        target = location.split("?", 1)[0].split("#", 1)[0]
+        suffix = "/" + path.lstrip("/")
+        base = target[: -len(suffix)] if target.endswith(suffix) else target
+        return ServerRedirect(
+            f"{method} {url} answered HTTP {status}, a redirect to {location}: redirects are not "
+            f"followed; point base_url at {base} (the final URL) instead",
+            url,
+            status,
+            location,
+        )
 
     def close(self) -> None:
         """Close the connections of every loop (a later request opens new ones)."""

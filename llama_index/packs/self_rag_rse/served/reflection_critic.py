@@ -6,15 +6,24 @@ and ``retrieval_probability`` of :mod:`..self_rag.reflection`) as the in-process
 The gate is one request; judging k paragraphs is k concurrent requests (plus one ``/tokenize``
 on llama.cpp), at most ``num_workers`` in flight.
 
+Greedy means greedy on every server: each request carries the fields that turn the server's own
+sampling defaults off (:mod:`.greedy`; llama-cpp-python's server, for one, applies a repeat
+penalty unless told not to), and every generated token must be the most likely one the server
+reports at its position, else :class:`~.greedy.ServerNotGreedy` names the server, the position
+and the option to change.
+
 Servers return the top N log-probs per position only. Scores need, at a few positions, every
 token of one reflection group (IsREL: ``[Relevant]``/``[Irrelevant]`` at the first position;
 IsSUP and IsUSE: the grounding or utility group where one was generated; the gate: ``[Retrieval]``
 /``[No Retrieval]``). When one of them is missing, ``missing_logprobs`` decides:
 
-* ``"refetch"`` (llama.cpp only): one more request at that position returns the group's
-  probabilities normalised among themselves, which is all a score reads (a shared logit bias
-  lifts the group above the rest; if that fails, the whole vocabulary is fetched); the score is
-  exact. Named in ``details["refetched"]``.
+* ``"refetch"``: one more request at that position asks for the group's log-probs (llama.cpp:
+  normalised among themselves, the group lifted by a shared logit bias, else the whole
+  vocabulary; OpenAI-style servers: as many log-probs as the server allows, after the prompt and
+  generated token ids with the group lifted where the server takes ids, else by regenerating
+  the answer up to that position, checked against what the completion reported; see
+  :mod:`.openai_api`). The score is exact; named in ``details["refetched"]``. A follow-up that
+  cannot isolate the group falls back to ``"bound"``.
 * ``"bound"``: the missing token's log-prob is taken as the N-th best one, an upper bound
   (it can be no likelier than the least likely token shown); named in ``details["bounded"]``.
 * ``"auto"`` (default): ``"refetch"`` where the server can, ``"bound"`` elsewhere.
@@ -26,22 +35,23 @@ import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
-from urllib.parse import urlparse
 
 from llama_index.core.instrumentation import get_dispatcher
 
 from llama_index.packs.self_rag_rse.common.bridge import run_sync
-from llama_index.packs.self_rag_rse.self_rag.base_critic import BaseCritic
-from llama_index.packs.self_rag_rse.self_rag.contract import ParagraphJudgement, RetrievalDecision
+from llama_index.packs.self_rag_rse.self_rag.contract import (
+    BaseCritic,
+    ParagraphJudgement,
+    RetrievalDecision,
+)
 from llama_index.packs.self_rag_rse.self_rag.reflection import (
-    GROUNDING_TOKENS,
     NO_RETRIEVAL,
     PARAGRAPH_CLOSE,
     PARAGRAPH_OPEN,
+    PROMPT_TEMPLATE,
     REFLECTION_TOKENS,
-    RELEVANCE_TOKENS,
     RETRIEVAL,
-    UTILITY_TOKENS,
+    MissingReflectionTokens,
     logprobs_from_top_dicts,
     retrieval_probability,
     score_generation,
@@ -49,16 +59,19 @@ from llama_index.packs.self_rag_rse.self_rag.reflection import (
 from llama_index.packs.self_rag_rse.served.apis import (
     CompletionAPI,
     Layout,
-    LlamaCppAPI,
-    OpenAIAPI,
     ReflectionTokensUnidentifiable,
     ServerInfo,
 )
+from llama_index.packs.self_rag_rse.served.endpoint import endpoint_of, split_url
+from llama_index.packs.self_rag_rse.served.followups import GROUPS, Followups
+from llama_index.packs.self_rag_rse.served.greedy import ServerNotGreedy
 from llama_index.packs.self_rag_rse.served.http import (
     JSONClient,
     MalformedResponse,
     ServerHTTPError,
 )
+from llama_index.packs.self_rag_rse.served.llamacpp_api import LlamaCppAPI
+from llama_index.packs.self_rag_rse.served.openai_api import OpenAIAPI
 from llama_index.packs.self_rag_rse.served.wire import Completion
 
 logger = logging.getLogger(__name__)
@@ -67,30 +80,10 @@ dispatcher = get_dispatcher(__name__)
 Api = Literal["auto", "llama.cpp", "openai"]
 Missing = Literal["auto", "refetch", "bound"]
 
-#: The token groups whose members must all be known where a score reads them.
-_GROUPS: dict[str, tuple[str, ...]] = {
-    "retrieval": (RETRIEVAL, NO_RETRIEVAL),
-    "relevance": RELEVANCE_TOKENS,
-    "support": GROUNDING_TOKENS,
-    "utility": UTILITY_TOKENS,
-}
-
-
-def split_url(url: str) -> tuple[str, str]:
-    """``(root, openai_base)`` of a server URL given either way (``http://h:p`` or ``.../v1``)."""
-    url = url.rstrip("/")
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise ValueError(
-            f"base_url must be an http(s) URL such as http://127.0.0.1:8080, got {url!r}"
-        )
-    if parsed.path.endswith("/v1"):
-        return url[: -len("/v1")], url
-    return url, f"{url}/v1"
-
 
 class ServedReflectionCritic(BaseCritic):
-    """:class:`~..self_rag.contract.Critic` for a Self-RAG model behind a completion server.
+    """A Self-RAG model behind a completion server, as a critic
+    (:class:`~llama_index.packs.self_rag_rse.self_rag.contract.BaseCritic`).
 
     Args:
         base_url: the server, as ``http://host:port`` or its OpenAI base ``http://host:port/v1``.
@@ -105,15 +98,20 @@ class ServedReflectionCritic(BaseCritic):
             Larger values make follow-ups rarer and responses bigger.
         missing_logprobs: what to do when a reflection token a score needs is outside the top
             ``top_logprobs``: ``"refetch"``, ``"bound"`` or ``"auto"`` (see the module docs).
+        max_logprobs: the most log-probs per position the server returns, which follow-ups on
+            OpenAI-style servers ask for (vLLM: its ``--max-logprobs``). ``None``: the whole
+            vocabulary on llama-cpp-python's server, ``top_logprobs`` elsewhere.
         num_workers: requests in flight at once; match the server's parallel slots.
-        timeout: seconds one request may take.
+        timeout: seconds one request may take in all (sending, waiting, reading every byte).
         n_ctx: positions per server slot, for shortening long paragraphs; llama.cpp reports it,
             other servers reject an over-long prompt instead (the paragraph then has ``error``).
-        request_options: extra fields for every completion request (e.g. vLLM's
+        request_options: extra fields for every completion request, over the greedy ones the
+            critic sends for the server's kind (e.g. vLLM's
             ``{"return_tokens_as_token_ids": True}``).
 
-    Each judgement's ``details`` names the ``api`` and, when it happened, the groups read with
-    a follow-up (``refetched``) or a bound (``bounded``), the extra requests
+    Each judgement's ``details`` names the ``api`` and the ``server`` kind (``"llama.cpp"``,
+    ``"llama-cpp-python"``, ``"vllm"`` or ``"openai"``) and, when it happened, the groups read
+    with a follow-up (``refetched``) or a bound (``bounded``), the extra requests
     (``followup_requests``) and positions the server left unreported (``unreported_positions``).
     The engine closes a critic it built from ``llm=``; one passed as ``critic=`` is yours to
     :meth:`close` (it frees HTTP connections; the server keeps running).
@@ -121,8 +119,10 @@ class ServedReflectionCritic(BaseCritic):
     Raises (on first use, or :meth:`connect`):
         MissingReflectionTokens: the served model lacks Self-RAG's tokens.
         ReflectionTokensUnidentifiable: it has them but the API cannot tell them apart.
-        ServerError: the server is down, too slow, or answers errors or unexpected bodies; the
-            message names the URL.
+        ServerNotGreedy (on use): the server did not decode greedily; the message names the
+            position and the option to change.
+        ServerError: the server is down, too slow, redirects (``ServerRedirect``: use the final
+            URL), or answers errors or unexpected bodies; the message names the URL.
 
     Example::
 
@@ -142,6 +142,7 @@ class ServedReflectionCritic(BaseCritic):
         max_new_tokens: int = 50,
         top_logprobs: int = 20,
         missing_logprobs: Missing = "auto",
+        max_logprobs: int | None = None,
         num_workers: int = 8,
         timeout: float = 120.0,
         n_ctx: int | None = None,
@@ -157,12 +158,18 @@ class ServedReflectionCritic(BaseCritic):
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if top_logprobs < 1:
             raise ValueError(f"top_logprobs must be >= 1, got {top_logprobs}")
+        if max_logprobs is not None and max_logprobs < top_logprobs:
+            raise ValueError(
+                f"max_logprobs ({max_logprobs}) must be >= top_logprobs ({top_logprobs}): it is "
+                "the most the server returns per position"
+            )
         self.root, self.openai_base = split_url(base_url)
         self.model = model
         self.api = api
         self.max_new_tokens = max_new_tokens
         self.top_logprobs = top_logprobs
         self.missing_logprobs = missing_logprobs
+        self.max_logprobs = max_logprobs
         self.n_ctx = n_ctx
         self.request_options = dict(request_options or {})
         self._root_client = JSONClient(
@@ -171,7 +178,7 @@ class ServedReflectionCritic(BaseCritic):
         self._openai_client = JSONClient(
             self.openai_base, timeout=timeout, num_workers=num_workers, api_key=api_key
         )
-        self._warned_bound = False
+        self._followups = Followups(top_logprobs, refetch=missing_logprobs != "bound")
         self._backend: CompletionAPI | None = None
         self._info: ServerInfo | None = None
 
@@ -182,8 +189,6 @@ class ServedReflectionCritic(BaseCritic):
         Reads ``api_base``, ``model``, ``api_key`` and ``timeout`` from ``llm`` (``OpenAILike``,
         ``OpenAI(api_base=...)``); ``kwargs`` override them and set the other options.
         """
-        from llama_index.packs.self_rag_rse.served.endpoint import endpoint_of
-
         endpoint = endpoint_of(llm)
         if endpoint is None:
             raise TypeError(
@@ -198,7 +203,7 @@ class ServedReflectionCritic(BaseCritic):
         options.update(kwargs)
         return cls(endpoint.base_url, **options)
 
-    # --- connecting ----------------------------------------------------------------------------
+    # --- connecting -------------------------------------------------------------------------------
 
     @property
     def requests(self) -> int:
@@ -222,15 +227,12 @@ class ServedReflectionCritic(BaseCritic):
             t for t in (*REFLECTION_TOKENS, PARAGRAPH_OPEN, PARAGRAPH_CLOSE) if t not in info.keys
         ]
         if missing:
-            from llama_index.packs.self_rag_rse.self_rag.reflection_critic import (
-                MissingReflectionTokens,
-            )
-
             raise MissingReflectionTokens(missing, sorted(info.keys))
         if self.missing_logprobs == "refetch" and not backend.can_refetch:
             raise ValueError(
-                f"missing_logprobs='refetch' needs llama.cpp's native API, which "
-                f"{self.root} does not offer: use missing_logprobs='bound'"
+                f"missing_logprobs='refetch' needs a server that returns more log-probs than "
+                f"a completion asks for (llama-server, llama-cpp-python's server, or "
+                f"max_logprobs= for another): {self.root} is none; use missing_logprobs='bound'"
             )
         if not info.verified:
             logger.warning(
@@ -239,7 +241,13 @@ class ServedReflectionCritic(BaseCritic):
                 self.openai_base,
             )
         self._backend, self._info = backend, info
-        logger.info("served reflection critic: %s API at %s", info.api, backend.client.base_url)
+        logger.info(
+            "served reflection critic: %s API of %s at %s, sending %s",
+            info.api,
+            info.server,
+            backend.client.base_url,
+            info.sampling,
+        )
         return info
 
     def connect(self) -> ServerInfo:
@@ -248,7 +256,13 @@ class ServedReflectionCritic(BaseCritic):
 
     async def _pick_api(self) -> CompletionAPI:
         native = LlamaCppAPI(self._root_client, self.request_options)
-        openai = OpenAIAPI(self._openai_client, self.model, self.request_options)
+        openai = OpenAIAPI(
+            self._openai_client,
+            self.model,
+            self.request_options,
+            root=self._root_client,
+            max_logprobs=self.max_logprobs,
+        )
         if self.api == "llama.cpp":
             return native
         if self.api == "openai":
@@ -266,7 +280,7 @@ class ServedReflectionCritic(BaseCritic):
         assert self._backend is not None
         return self._backend, info
 
-    # --- the Critic protocol -------------------------------------------------------------------
+    # --- the critic contract ----------------------------------------------------------------------
 
     @dispatcher.span
     async def adecide_retrieval(
@@ -283,7 +297,7 @@ class ServedReflectionCritic(BaseCritic):
         backend, info = await self._ready()
         prompt = await self._prompt(backend, info, query, Layout())
         new_tokens = 1 if threshold is not None else self.max_new_tokens
-        completion = await backend.complete(prompt, new_tokens, self.top_logprobs)
+        completion = await backend.complete(info, prompt, new_tokens, self.top_logprobs)
         backend.check(info, completion)
         keys = completion.keys
         retrieval_key = info.keys[RETRIEVAL]
@@ -292,7 +306,9 @@ class ServedReflectionCritic(BaseCritic):
         if not completion.positions:
             probability, retrieve = 0.0, False
         else:
-            await self._complete_groups(backend, info, prompt, completion, [(0, "retrieval")])
+            await self._followups.complete_positions(
+                backend, info, prompt, completion, [(0, "retrieval")]
+            )
             probability = retrieval_probability(self._matrix(info, completion))
             retrieve = probability > threshold if threshold is not None else retrieval_key in keys
         answer = None
@@ -328,9 +344,9 @@ class ServedReflectionCritic(BaseCritic):
         for result in results:
             if isinstance(result, BaseException):
                 if not isinstance(result, Exception) or isinstance(
-                    result, ReflectionTokensUnidentifiable
+                    result, ReflectionTokensUnidentifiable | ServerNotGreedy
                 ):
-                    raise result  # not this paragraph's fault: no paragraph can be scored
+                    raise result  # not this paragraph's fault: no paragraph can be trusted
                 logger.warning("served critic: a paragraph failed: %s", result)
                 judgements.append(
                     ParagraphJudgement(
@@ -350,7 +366,8 @@ class ServedReflectionCritic(BaseCritic):
         """Answer with no evidence: greedy continuation after ``[No Retrieval]``."""
         backend, info = await self._ready()
         prompt = await self._prompt(backend, info, query, Layout(after_prompt=(NO_RETRIEVAL,)))
-        completion = await backend.complete(prompt, self.max_new_tokens, 1)
+        completion = await backend.complete(info, prompt, self.max_new_tokens, 1)
+        await self._followups.complete_positions(backend, info, prompt, completion, [])
         return await self._answer(backend, info, completion)
 
     def close(self) -> None:
@@ -365,25 +382,26 @@ class ServedReflectionCritic(BaseCritic):
             "critic": self.name,
             "url": self.root,
             "api": info.api if info else self.api,
+            "server": info.server if info else None,
             "model": (info.model if info else None) or self.model,
             "requests": self.requests,
         }
 
-    # --- one paragraph -------------------------------------------------------------------------
+    # --- one paragraph ----------------------------------------------------------------------------
 
     async def _judge_one(
         self, backend: CompletionAPI, info: ServerInfo, prompt: Any
     ) -> ParagraphJudgement:
-        completion = await backend.complete(prompt, self.max_new_tokens, self.top_logprobs)
+        completion = await backend.complete(info, prompt, self.max_new_tokens, self.top_logprobs)
         backend.check(info, completion)
         keys = completion.keys
         needs: list[tuple[int, str]] = [(0, "relevance")] if keys else []
         for group in ("support", "utility"):
-            members = {info.keys[t] for t in _GROUPS[group]}
+            members = {info.keys[t] for t in GROUPS[group]}
             position = next((i for i, k in enumerate(keys) if k in members), None)
             if position is not None:
                 needs.append((position, group))
-        details = await self._complete_groups(backend, info, prompt, completion, needs)
+        details = await self._followups.complete_positions(backend, info, prompt, completion, needs)
         columns = [info.keys[t] for t in REFLECTION_TOKENS]
         scores = score_generation(
             self._matrix(info, completion),
@@ -400,78 +418,6 @@ class ServedReflectionCritic(BaseCritic):
             seq_score=scores.seq_score,
             details=details,
         )
-
-    async def _complete_groups(
-        self,
-        backend: CompletionAPI,
-        info: ServerInfo,
-        prompt: Any,
-        completion: Completion,
-        needs: Sequence[tuple[int, str]],
-    ) -> dict[str, Any]:
-        """Make sure every group a score reads is fully known; fill unreported positions."""
-        refetch = self.missing_logprobs == "refetch" or (
-            self.missing_logprobs == "auto" and backend.can_refetch
-        )
-        keys = completion.keys
-        details: dict[str, Any] = {"api": info.api}
-        bounded: list[str] = []
-        # Positions the server left out (a token ending inside a UTF-8 character) first: their
-        # distribution (top N), their own log-prob for the sequence score, their bytes.
-        gaps = [i for i, p in enumerate(completion.positions) if not p.reported]
-        fetched = await asyncio.gather(
-            *(backend.refetch(info, prompt, keys[:i], self.top_logprobs) for i in gaps)
-        )
-        for i, got in zip(gaps, fetched, strict=True):
-            slot = completion.positions[i]
-            slot.top, slot.pieces = got.top, got.pieces
-            slot.logprob = (got.top or {}).get(slot.key, slot.logprob)
-        requests = len(gaps)
-        groups: list[tuple[int, str, list[str]]] = []
-        for position, group in needs:
-            slot = completion.positions[position]
-            members = [info.keys[t] for t in _GROUPS[group]]
-            if slot.top is not None and all(m in slot.top for m in members):
-                continue
-            if refetch:
-                groups.append((position, group, members))
-            elif slot.top:
-                floor = min(slot.top.values())
-                for member in members:
-                    slot.top.setdefault(member, floor)
-                bounded.append(group)
-        if groups:
-            exact = await asyncio.gather(
-                *(backend.refetch_group(info, prompt, keys[:i], m) for i, _, m in groups)
-            )
-            requests += len(groups)
-            for (i, _, members), values in zip(groups, exact, strict=True):
-                if values is None:  # fall back to the whole vocabulary at that position
-                    whole = await backend.refetch(info, prompt, keys[:i], None)
-                    requests += 1
-                    values = {m: (whole.top or {}).get(m, float("-inf")) for m in members}
-                top = completion.positions[i].top
-                if top is None:
-                    completion.positions[i].top = top = {}
-                # All of a group's values from one source: ratios are what the scores read.
-                top.update(values)
-            details["refetched"] = [group for _, group, _ in groups]
-        if requests:
-            details["followup_requests"] = requests
-        if gaps:
-            details["unreported_positions"] = len(gaps)
-        if bounded:
-            details["bounded"] = bounded
-        if bounded and not self._warned_bound:
-            self._warned_bound = True
-            logger.warning(
-                "served critic: %s read with a bound (a reflection token outside the top %d "
-                "log-probs; flagged in each judgement's details['bounded'], logged once): raise "
-                "top_logprobs (vLLM: --max-logprobs) for exact scores",
-                ", ".join(bounded),
-                self.top_logprobs,
-            )
-        return details
 
     def _matrix(self, info: ServerInfo, completion: Completion) -> Any:
         columns = [info.keys[t] for t in REFLECTION_TOKENS]
@@ -506,6 +452,4 @@ class ServedReflectionCritic(BaseCritic):
     async def _prompts(
         self, backend: CompletionAPI, info: ServerInfo, query: str, layout: Layout
     ) -> list[Any]:
-        from llama_index.packs.self_rag_rse.self_rag.reflection_critic import PROMPT_TEMPLATE
-
         return await backend.prompts(info, PROMPT_TEMPLATE.format(query=query), layout)

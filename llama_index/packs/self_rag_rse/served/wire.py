@@ -17,15 +17,25 @@ Two wire formats carry token log-probabilities, and each server speaks one or bo
   keys into ``token_id:<id>``, which identifies them again.
 
 Tokens are named by *keys* here: ``token_id:<id>`` when the server gave an id, else the decoded
-text. Plain Python, no HTTP.
+text. Numbers are checked as they are read: a log-prob must be finite and <= 0 (a positive value
+within float rounding reads as 0), a probability must lie in [0, 1], a count must be a positive
+integer; a NaN let through would score NaN, and NaN outranks every real score. Plain Python, no
+HTTP.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from llama_index.packs.self_rag_rse.self_rag.labels import (
+    LOGPROB_ROUNDING,
+    InvalidLogprob,
+    checked_logprob,
+)
 
 #: Key of a token known by id (the form vLLM's ``return_tokens_as_token_ids`` uses too).
 ID_PREFIX = "token_id:"
@@ -98,14 +108,35 @@ def _require(body: Any, name: str, kind: type | tuple[type, ...]) -> Any:
     return value
 
 
-def _number(value: Any, what: str) -> float:
+def _logprob(value: Any, position: int, what: str) -> float:
+    """A log-prob the server sent at generated ``position`` (see the module docs)."""
+    try:
+        return checked_logprob(value)
+    except InvalidLogprob as exc:
+        raise MalformedBody(f"position {position}: {what}: {exc}") from None
+
+
+def _probability(value: Any, position: int, what: str) -> float:
+    """A probability the server sent: in [0, 1] (just above 1 is rounding and reads as 1)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise MalformedBody(f"{what} is {value!r}, not a number")
-    return float(value)
+        raise MalformedBody(f"position {position}: {what} {value!r} is not a probability")
+    if not 0.0 <= value <= 1.0 + LOGPROB_ROUNDING:
+        raise MalformedBody(
+            f"position {position}: {what} {value!r} is not a probability (a number in [0, 1])"
+        )
+    return min(float(value), 1.0)
+
+
+def positive_count(value: Any) -> int | None:
+    """A size the server reported (``n_ctx``, ``n_vocab``) when it is a positive integer, else
+    ``None`` (``True``, ``0``, ``-1`` or ``2.5`` are no sizes)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return None
+    return value
 
 
 def _entry_top(
-    entry: Mapping[str, Any], with_ids: bool
+    entry: Mapping[str, Any], with_ids: bool, position: int
 ) -> tuple[dict[str, float], dict[str, bytes]]:
     """Candidates of one llama.cpp-style entry: key -> log-prob, key -> raw bytes."""
     top: dict[str, float] = {}
@@ -114,12 +145,31 @@ def _entry_top(
     for cand in candidates:
         if not isinstance(cand, Mapping):
             raise MalformedBody("top_logprobs holds a non-object")
-        key = id_key(cand["id"]) if with_ids and "id" in cand else str(cand.get("token", ""))
-        top.setdefault(key, _number(cand.get("logprob"), "a candidate's logprob"))
-        raw = cand.get("bytes")
-        if isinstance(raw, list):
-            pieces.setdefault(key, bytes(int(b) & 0xFF for b in raw))
+        if with_ids and "id" in cand:
+            key = id_key(_token_id(cand["id"], position))
+        else:
+            key = str(cand.get("token", ""))
+        top.setdefault(key, _logprob(cand.get("logprob"), position, f"candidate {key!r}"))
+        raw = _bytes(cand.get("bytes"), position, key)
+        if raw is not None:
+            pieces.setdefault(key, raw)
     return top, pieces
+
+
+def _bytes(raw: Any, position: int, key: str) -> bytes | None:
+    """A token's raw bytes as sent (``None`` when not sent): unsigned (0..255) or, from a
+    signed char, -128..127."""
+    if not isinstance(raw, list):
+        return None
+    if not all(isinstance(b, int) and not isinstance(b, bool) and -128 <= b < 256 for b in raw):
+        raise MalformedBody(f"position {position}: candidate {key!r} has bytes {raw!r}")
+    return bytes(b & 0xFF for b in raw)
+
+
+def _token_id(value: Any, position: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MalformedBody(f"position {position}: token id {value!r} is not an integer")
+    return value
 
 
 def parse_native(body: Any) -> Completion:
@@ -134,7 +184,7 @@ def parse_native(body: Any) -> Completion:
         raise MalformedBody("field 'completion_probabilities' is not a list")
     positions: list[Position] = []
     k = 0
-    for raw in tokens:
+    for i, raw in enumerate(tokens):
         if isinstance(raw, bool) or not isinstance(raw, int):
             raise MalformedBody(f"generated token {raw!r} is not an id")
         position = Position(id_key(raw))
@@ -143,8 +193,8 @@ def parse_native(body: Any) -> Completion:
             if not isinstance(entry, Mapping) or "id" not in entry:
                 raise MalformedBody("a completion_probabilities entry has no 'id'")
             if entry["id"] == raw:
-                top, pieces = _entry_top(entry, with_ids=True)
-                position.logprob = _number(entry.get("logprob"), "a token's logprob")
+                top, pieces = _entry_top(entry, with_ids=True, position=i)
+                position.logprob = _logprob(entry.get("logprob"), i, "the token's logprob")
                 position.top = top
                 position.pieces = pieces
                 k += 1
@@ -174,9 +224,7 @@ def parse_native(body: Any) -> Completion:
 def parse_native_post_sampling(body: Any) -> dict[str, float]:
     """Log-probs of the candidates llama.cpp kept after sampling, at the first generated position
     (a ``/completion`` with ``post_sampling_probs: true``; zero-probability candidates are left
-    out by the server)."""
-    import math
-
+    out by the server). Each ``prob`` must lie in [0, 1]."""
     entries = _require(body, "completion_probabilities", list)
     if not entries or not isinstance(entries[0], Mapping):
         raise MalformedBody("no completion_probabilities entry")
@@ -184,18 +232,22 @@ def parse_native_post_sampling(body: Any) -> dict[str, float]:
     for cand in _require(entries[0], "top_probs", list):
         if not isinstance(cand, Mapping) or "id" not in cand:
             raise MalformedBody("a top_probs candidate has no 'id'")
-        prob = _number(cand.get("prob"), "a candidate's prob")
+        key = id_key(_token_id(cand["id"], 0))
+        prob = _probability(cand.get("prob"), 0, f"the prob of candidate {key!r}")
         if prob > 0:
-            out[id_key(cand["id"])] = math.log(prob)
+            out[key] = math.log(prob)
     return out
 
 
-def parse_openai(body: Any) -> Completion:
+def parse_openai(body: Any, with_ids: bool = False) -> Completion:
     """Read an OpenAI-style ``/v1/completions`` response with ``logprobs``.
 
     Accepts the legacy format (``tokens``, ``token_logprobs``, ``top_logprobs`` dicts) and
     llama.cpp's (``logprobs.content`` entries). Keys are decoded strings, except vLLM's
-    ``token_id:<id>`` strings, which are ids already.
+    ``token_id:<id>`` strings, which are ids already, and llama.cpp's entries with
+    ``with_ids`` (they carry each token's id and bytes, like the native format).
+    ``usage.completion_tokens``, when sent, goes to ``extra`` (llama-server leaves out of its
+    log-probs a token that ends inside a UTF-8 character: the count tells).
     """
     choices = _require(body, "choices", list)
     if not choices or not isinstance(choices[0], Mapping):
@@ -209,32 +261,42 @@ def parse_openai(body: Any) -> Completion:
     if not isinstance(logprobs, Mapping):
         raise MalformedBody("choices[0].logprobs is missing: the server ignored 'logprobs'")
     positions: list[Position] = []
+    usage = body.get("usage")
+    generated = (
+        positive_count(usage.get("completion_tokens")) if isinstance(usage, Mapping) else None
+    )
+    extra: dict[str, Any] = {"completion_tokens": generated} if generated is not None else {}
     if "content" in logprobs and isinstance(logprobs["content"], list):
-        for entry in logprobs["content"]:
+        for i, entry in enumerate(logprobs["content"]):
             if not isinstance(entry, Mapping):
                 raise MalformedBody("logprobs.content holds a non-object")
-            top, _ = _entry_top(entry, with_ids=False)
-            key = str(entry.get("token", ""))
-            positions.append(Position(key, _number(entry.get("logprob"), "a token's logprob"), top))
-        return Completion(positions, text, stopped)
+            top, pieces = _entry_top(entry, with_ids=with_ids, position=i)
+            if with_ids and "id" in entry:
+                key = id_key(_token_id(entry["id"], i))
+                raw = _bytes(entry.get("bytes"), i, key)
+                if raw is not None:
+                    pieces.setdefault(key, raw)
+            else:
+                key, pieces = str(entry.get("token", "")), {}
+            logprob = _logprob(entry.get("logprob"), i, "the token's logprob")
+            positions.append(Position(key, logprob, top, pieces))
+        return Completion(positions, text, stopped, extra)
     tokens = _require(logprobs, "tokens", list)
     token_logprobs = _require(logprobs, "token_logprobs", list)
     tops = logprobs.get("top_logprobs") or [None] * len(tokens)
     if not (len(tokens) == len(token_logprobs) == len(tops)):
         raise MalformedBody("tokens, token_logprobs and top_logprobs differ in length")
-    for token, lp, top in zip(tokens, token_logprobs, tops, strict=True):
+    for i, (token, lp, top) in enumerate(zip(tokens, token_logprobs, tops, strict=True)):
         if not isinstance(token, str):
             raise MalformedBody(f"token {token!r} is not a string")
         if top is not None and not isinstance(top, Mapping):
             raise MalformedBody("a top_logprobs entry is not an object")
-        positions.append(
-            Position(
-                token,
-                None if lp is None else _number(lp, "a token's logprob"),
-                None if top is None else {str(k): _number(v, "a logprob") for k, v in top.items()},
-            )
-        )
-    return Completion(positions, text, stopped)
+        candidates = None
+        if top is not None:
+            candidates = {str(k): _logprob(v, i, f"candidate {str(k)!r}") for k, v in top.items()}
+        chosen = None if lp is None else _logprob(lp, i, "the token's logprob")
+        positions.append(Position(token, chosen, candidates))
+    return Completion(positions, text, stopped, extra)
 
 
 def parse_echo_tokens(body: Any) -> list[str]:

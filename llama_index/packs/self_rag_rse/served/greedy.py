@@ -1,0 +1,168 @@
+"""Greedy decoding on a model server: what to send to each kind of server, and the check that
+the server did decode greedily.
+
+A served critic must generate exactly what the in-process critic generates: plain greedy
+decoding, every token the most likely one under the raw logits. ``temperature: 0`` alone does not
+get that. Servers apply sampling defaults of their own, and some of them change the argmax:
+llama-cpp-python's server a ``repeat_penalty`` of 1.1, llama-server whatever it was started with
+(``--repeat-penalty``, ``--dry-multiplier``, ``--logit-bias``, ``--samplers``...), vLLM the
+model's ``generation_config.json`` (``repetition_penalty``, ``top_k``...). So the critic tells the
+servers apart (:func:`server_kind`) and sends each the fields that turn those off
+(:data:`GREEDY`); ``request_options`` go on top.
+
+Some settings cannot be turned off from a request (llama-server's ``--grammar``, a vLLM logits
+processor, a proxy that rewrites requests). :func:`check_greedy` catches them: every generated
+token must be the most likely token of the distribution the server reports at its position
+(ties within :data:`TIE` aside); when one is not, :class:`ServerNotGreedy` names the server, the
+position and the option to change. Plain Python, no HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from llama_index.packs.self_rag_rse.served.http import ServerError
+from llama_index.packs.self_rag_rse.served.wire import Completion
+
+#: Server kinds: llama.cpp's llama-server (native API or its ``/v1``), llama-cpp-python's
+#: ``python -m llama_cpp.server``, vLLM, and any other OpenAI-compatible server.
+LLAMA_CPP = "llama.cpp"
+LLAMA_CPP_PYTHON = "llama-cpp-python"
+VLLM = "vllm"
+OPENAI = "openai"
+KINDS = (LLAMA_CPP, LLAMA_CPP_PYTHON, VLLM, OPENAI)
+
+#: ``/v1/models`` ``owned_by`` of each server that says who it is.
+_OWNERS = {"llamacpp": LLAMA_CPP, "vllm": VLLM, "me": LLAMA_CPP_PYTHON}
+
+#: The fields that make each server's decoding plain greedy (and nothing else). Neutral values:
+#: penalties 1.0 (multiplicative) or 0.0 (additive); top-k/top-p/min-p that keep every token.
+GREEDY: dict[str, dict[str, Any]] = {
+    LLAMA_CPP: {
+        "temperature": 0.0,
+        # Only top-k (k=1) in the sampler chain, after the request's own logit bias (none): no
+        # penalty, DRY, XTC or mirostat stage the server was started with can run.
+        "samplers": ["top_k"],
+        "top_k": 1,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "typical_p": 1.0,
+        "repeat_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "dry_multiplier": 0.0,
+        "xtc_probability": 0.0,
+        "mirostat": 0,
+        # Clears --logit-bias and the end-of-generation ban of --ignore-eos.
+        "logit_bias": [],
+        "ignore_eos": False,
+    },
+    LLAMA_CPP_PYTHON: {
+        "temperature": 0.0,
+        "repeat_penalty": 1.0,  # its default is 1.1
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "mirostat_mode": 0,
+    },
+    VLLM: {
+        "temperature": 0.0,
+        # Explicit values win over the model's generation_config.json defaults.
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "top_k": -1,
+        "top_p": 1.0,
+        "min_p": 0.0,
+    },
+    # OpenAI's own fields only: an unknown server may reject anything else.
+    OPENAI: {
+        "temperature": 0.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "top_p": 1.0,
+    },
+}
+
+#: What each server may apply that no request field turns off, for the error message.
+_UNCONTROLLED = {
+    LLAMA_CPP: "a --grammar or --json-schema it was started with (restart it without)",
+    LLAMA_CPP_PYTHON: "a setting this version of llama_cpp.server applies by default",
+    VLLM: "a --logits-processors plugin or an --override-generation-config field",
+    OPENAI: (
+        "a repetition penalty or other default of its own: pass the field that turns it off in "
+        "request_options (e.g. {'repetition_penalty': 1.0} or {'repeat_penalty': 1.0})"
+    ),
+}
+
+#: Log-prob gap below which two tokens count as tied (float32 rounding of the softmax).
+TIE = 1e-4
+
+
+class ServerNotGreedy(ServerError):
+    """The server generated a token that was not the most likely one at its position: its
+    decoding is not greedy, so answers and scores would silently differ from Self-RAG's."""
+
+    def __init__(self, message: str, url: str, position: int) -> None:
+        super().__init__(message, url)
+        self.position = position
+
+
+def server_kind(models: Any) -> str:
+    """The kind of server behind a ``/v1/models`` answer (``owned_by`` of its first model);
+    :data:`OPENAI` when it does not say."""
+    try:
+        owner = models["data"][0]["owned_by"]
+    except (KeyError, IndexError, TypeError):
+        return OPENAI
+    return _OWNERS.get(owner, OPENAI) if isinstance(owner, str) else OPENAI
+
+
+def greedy_options(kind: str, request_options: Mapping[str, Any]) -> dict[str, Any]:
+    """The greedy fields for ``kind`` with ``request_options`` on top."""
+    return {**GREEDY[kind], **request_options}
+
+
+def check_greedy(completion: Completion, *, server: str, url: str, sent: Mapping[str, Any]) -> None:
+    """Raise :class:`ServerNotGreedy` at the first position whose token is not the most likely
+    one the server reported there (positions the server left unreported are skipped).
+
+    ``server`` is the kind, ``url`` the endpoint and ``sent`` the sampling fields of the request,
+    so the message can name the option that made the difference.
+    """
+    for i, position in enumerate(completion.positions):
+        if not position.top or position.logprob is None:
+            continue
+        best_key, best = max(position.top.items(), key=lambda item: item[1])
+        if position.logprob >= best - TIE:
+            continue
+        message = _message(i, position.key, position.logprob, best_key, best, server, url, sent)
+        raise ServerNotGreedy(message, url, i)
+
+
+def _message(
+    i: int,
+    token: str,
+    logprob: float,
+    best_key: str,
+    best: float,
+    server: str,
+    url: str,
+    sent: Mapping[str, Any],
+) -> str:
+    head = (
+        f"{url} ({server}) did not decode greedily: at generated position {i} it produced "
+        f"{token!r} (log-prob {logprob:.4f}) where it reports {best_key!r} as likelier "
+        f"({best:.4f}), so the critic's answers and scores would not be Self-RAG's"
+    )
+    changed = {k: v for k, v in sent.items() if k in GREEDY[server] and v != GREEDY[server][k]}
+    if changed:
+        named = ", ".join(f"{k}={v!r}" for k, v in changed.items())
+        return f"{head}: request_options sets {named}; remove it (greedy needs {GREEDY[server]})"
+    return (
+        f"{head}. The critic sent {dict(sent)}, so the server applies something a request "
+        f"cannot turn off: {_UNCONTROLLED[server]}, or a proxy before it rewrites requests"
+    )

@@ -1,0 +1,103 @@
+"""Fixtures for the served critic: llama-cpp-python's own OpenAI-compatible server.
+
+``llama_cpp_python_server(typing)`` starts ``python -m llama_cpp.server`` (the ``server`` extra of
+llama-cpp-python, in the dev install) on a tiny GGUF, once per test module and typing, on
+127.0.0.1 and a free port, with its default sampling settings. Like the in-process models it
+keeps an F32 KV cache, one thread and 1024 positions, and ``--logits_all true``, which its
+``logprobs`` need. The module's teardown stops it. A test that needs it fails (not skips) when
+the extra is missing. (llama.cpp's ``llama-server`` is in the top conftest.)
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+GGML_TYPE_F32 = "0"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class LlamaCppPythonServer:
+    """A running ``python -m llama_cpp.server``: its root URL and how to stop it."""
+
+    def __init__(self, model: Path, log: Path) -> None:
+        import httpx
+
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        command = [
+            sys.executable,
+            *("-m", "llama_cpp.server", "--model", str(model)),
+            *("--host", "127.0.0.1", "--port", str(port)),
+            *("--logits_all", "true", "--n_ctx", "1024"),
+            *("--n_threads", "1", "--n_threads_batch", "1"),
+            *("--type_k", GGML_TYPE_F32, "--type_v", GGML_TYPE_F32, "--verbose", "false"),
+        ]
+        with open(log, "wb") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.process.poll() is not None:
+                pytest.fail(f"llama_cpp.server exited ({self.process.returncode}):\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"llama_cpp.server did not answer in 60 s:\n{self.tail()}")
+            time.sleep(0.1)
+
+    def tail(self, lines: int = 30) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_python_server(
+    tiny_gguf_paths: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """``llama_cpp_python_server(typing)``: llama-cpp-python's server on that tiny GGUF, started
+    on first use and stopped when the module's tests are done."""
+    try:
+        import llama_cpp.server.app  # noqa: F401
+    except ImportError as exc:
+        pytest.fail(
+            f"llama-cpp-python's server cannot start ({exc}): install the dev extra "
+            "(pip install -e '.[dev]', which includes llama-cpp-python[server])",
+            pytrace=False,
+        )
+    running: dict[str, LlamaCppPythonServer] = {}
+    logs = tmp_path_factory.mktemp("llama_cpp_python_server")
+
+    def get(typing: str) -> LlamaCppPythonServer:
+        if typing not in running:
+            running[typing] = LlamaCppPythonServer(tiny_gguf_paths[typing], logs / f"{typing}.log")
+        return running[typing]
+
+    yield get
+    for server in running.values():
+        server.stop()

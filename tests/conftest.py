@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from servers import ServerProcess, free_port
 
 # Everything the tests load ships in packages: never reach for a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -217,26 +218,11 @@ def llama_server_binary() -> Path:
     return path
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class LlamaServer:
+class LlamaServer(ServerProcess):
     """A running llama-server: its URL (``http://127.0.0.1:<port>``) and how to stop it."""
 
     def __init__(self, model: Path, log: Path, *, parallel: int = 4, n_ctx: int = 1024) -> None:
-        import subprocess
-        import time
-
-        import httpx
-
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
+        self.port = free_port()
         command = [
             str(llama_server_binary()),
             *("--model", str(model), "--host", "127.0.0.1", "--port", str(self.port)),
@@ -246,36 +232,7 @@ class LlamaServer:
             *("--cache-type-k", "f32", "--cache-type-v", "f32", "--flash-attn", "off"),
             "--no-warmup",
         ]
-        with open(log, "wb") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.process.poll() is not None:
-                pytest.fail(f"llama-server exited ({self.process.returncode}):\n{self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"llama-server did not become healthy in 60 s:\n{self.tail()}")
-            time.sleep(0.1)
-
-    def tail(self, lines: int = 30) -> str:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def stop(self) -> None:
-        import subprocess
-
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        super().__init__("llama-server", command, f"http://127.0.0.1:{self.port}", "/health", log)
 
 
 @pytest.fixture(scope="session")

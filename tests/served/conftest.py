@@ -10,34 +10,22 @@ the extra is missing. (llama.cpp's ``llama-server`` is in the top conftest.)
 
 from __future__ import annotations
 
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from servers import ServerProcess, free_port
 
 GGML_TYPE_F32 = "0"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class LlamaCppPythonServer:
+class LlamaCppPythonServer(ServerProcess):
     """A running ``python -m llama_cpp.server``: its root URL and how to stop it."""
 
     def __init__(self, model: Path, log: Path) -> None:
-        import httpx
-
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = log
+        port = free_port()
         command = [
             sys.executable,
             *("-m", "llama_cpp.server", "--model", str(model)),
@@ -46,34 +34,8 @@ class LlamaCppPythonServer:
             *("--n_threads", "1", "--n_threads_batch", "1"),
             *("--type_k", GGML_TYPE_F32, "--type_v", GGML_TYPE_F32, "--verbose", "false"),
         ]
-        with open(log, "wb") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.process.poll() is not None:
-                pytest.fail(f"llama_cpp.server exited ({self.process.returncode}):\n{self.tail()}")
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"llama_cpp.server did not answer in 60 s:\n{self.tail()}")
-            time.sleep(0.1)
-
-    def tail(self, lines: int = 30) -> str:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        url = f"http://127.0.0.1:{port}"
+        super().__init__("llama_cpp.server", command, url, "/v1/models", log)
 
 
 @pytest.fixture(scope="module")

@@ -53,6 +53,15 @@ def tiny_gguf_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 
 
 @pytest.fixture(scope="session")
+def talkative_gguf(tiny_gguf_paths: dict[str, Path]) -> Path:
+    """A tiny Self-RAG model (seed 6, USER_DEFINED tokens) whose no-evidence answers have some
+    length: seed 0 answers them with reflection tokens only."""
+    from tiny_gguf import write_tiny_gguf
+
+    return write_tiny_gguf(tiny_gguf_paths["user_defined"].with_name("talkative.gguf"), seed=6)
+
+
+@pytest.fixture(scope="session")
 def tiny_llm(tiny_gguf_paths: dict[str, Path]) -> Iterator[Any]:
     """A Llama on the tiny model whose reflection tokens are USER_DEFINED."""
     llm = _llama(tiny_gguf_paths["user_defined"])
@@ -239,15 +248,16 @@ class LlamaServer(ServerProcess):
 def llama_server(
     tiny_gguf_paths: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Any]:
-    """``llama_server(typing)``: a llama-server on that tiny GGUF, started on first use and
-    stopped when the session ends."""
-    running: dict[str, LlamaServer] = {}
+    """``llama_server(typing)``: a llama-server on that tiny GGUF (or on the GGUF at a path),
+    started on first use and stopped when the session ends."""
+    running: dict[str | Path, LlamaServer] = {}
     logs = tmp_path_factory.mktemp("llama_server")
 
-    def get(typing: str) -> LlamaServer:
-        if typing not in running:
-            running[typing] = LlamaServer(tiny_gguf_paths[typing], logs / f"{typing}.log")
-        return running[typing]
+    def get(model: str | Path) -> LlamaServer:
+        if model not in running:
+            path = model if isinstance(model, Path) else tiny_gguf_paths[model]
+            running[model] = LlamaServer(path, logs / f"{path.stem}.log")
+        return running[model]
 
     yield get
     for server in running.values():

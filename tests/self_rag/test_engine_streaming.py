@@ -126,13 +126,11 @@ def test_streaming_returns_the_same_text_and_sources(tiny_llm: Any, mode: str) -
 
 
 @pytest.fixture(scope="module")
-def talkative_llm(tmp_path_factory: Any) -> Iterator[Any]:
-    """A tiny Self-RAG model (seed 6) whose no-evidence answer to QUESTION has some length:
-    seed 0 answers it with reflection tokens only."""
+def talkative_llm(talkative_gguf: Any) -> Iterator[Any]:
+    """A Llama on the tiny model whose no-evidence answer to QUESTION has some length."""
     from conftest import _llama
-    from tiny_gguf import write_tiny_gguf
 
-    llm = _llama(write_tiny_gguf(tmp_path_factory.mktemp("talk") / "talk.gguf", seed=6))
+    llm = _llama(talkative_gguf)
     yield llm
     llm.close()
 

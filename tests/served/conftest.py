@@ -42,8 +42,8 @@ class LlamaCppPythonServer(ServerProcess):
 def llama_cpp_python_server(
     tiny_gguf_paths: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Any]:
-    """``llama_cpp_python_server(typing)``: llama-cpp-python's server on that tiny GGUF, started
-    on first use and stopped when the module's tests are done."""
+    """``llama_cpp_python_server(typing)``: llama-cpp-python's server on that tiny GGUF (or on the
+    GGUF at a path), started on first use and stopped when the module's tests are done."""
     try:
         import llama_cpp.server.app  # noqa: F401
     except ImportError as exc:
@@ -52,13 +52,14 @@ def llama_cpp_python_server(
             "(pip install -e '.[dev]', which includes llama-cpp-python[server])",
             pytrace=False,
         )
-    running: dict[str, LlamaCppPythonServer] = {}
+    running: dict[str | Path, LlamaCppPythonServer] = {}
     logs = tmp_path_factory.mktemp("llama_cpp_python_server")
 
-    def get(typing: str) -> LlamaCppPythonServer:
-        if typing not in running:
-            running[typing] = LlamaCppPythonServer(tiny_gguf_paths[typing], logs / f"{typing}.log")
-        return running[typing]
+    def get(model: str | Path) -> LlamaCppPythonServer:
+        if model not in running:
+            path = model if isinstance(model, Path) else tiny_gguf_paths[model]
+            running[model] = LlamaCppPythonServer(path, logs / f"{path.stem}.log")
+        return running[model]
 
     yield get
     for server in running.values():

@@ -224,3 +224,56 @@ def test_an_llm_timeout_that_is_no_timeout_leaves_the_default(timeout: Any) -> N
     assert endpoint is not None and endpoint.timeout is None
     critic = ServedReflectionCritic.from_llm(llm)  # constructs: the default timeout applies
     critic.close()
+
+
+# --- streamed answers -----------------------------------------------------------------------------
+
+
+def _stream(url: str, timeout: float = 10.0) -> list[Any]:
+    from llama_index.packs.self_rag_rse.common.bridge import run_sync
+    from llama_index.packs.self_rag_rse.served.http import JSONClient
+
+    client = JSONClient(url, timeout=timeout)
+
+    async def read() -> list[Any]:
+        return [event async for event in client.stream_parsed("/completion", {}, lambda e: e)]
+
+    try:
+        return run_sync(read())
+    finally:
+        client.close()
+
+
+def _events(*lines: str) -> Reply:
+    return Reply(200, "".join(f"{line}\n" for line in lines).encode())
+
+
+def test_a_stream_yields_its_events_until_done() -> None:
+    reply = _events(": a comment", "event: x", 'data: {"a": 1}', "", 'data: {"a": 2}', "")
+    reply.body += b'data: [DONE]\n\ndata: {"after": 3}\n\n'
+    with StubServer(lambda *_: reply) as stub:
+        assert _stream(stub.url) == [{"a": 1}, {"a": 2}]
+
+
+@pytest.mark.parametrize(
+    "reply, error, match",
+    [
+        (_events('data: {"error": {"message": "no slot"}}'), ServerHTTPError, "streamed an error"),
+        (_events("data: {not json"), MalformedResponse, "streamed an event that is not JSON"),
+        (Reply(500, b"model crashed"), ServerHTTPError, "answered HTTP 500: model crashed"),
+    ],
+)
+def test_a_stream_that_fails_names_the_url(reply: Reply, error: type, match: str) -> None:
+    with StubServer(lambda *_: reply) as stub, pytest.raises(error, match=match) as caught:
+        _stream(stub.url)
+    assert stub.url in str(caught.value)
+
+
+def test_the_timeout_bounds_the_whole_stream_not_each_event() -> None:
+    events = b'data: {"a": 1}\n\n' * 40
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+    with DripServer(head + events, interval=0.02, at_once=len(head)) as drip:
+        began = time.monotonic()
+        with pytest.raises(ServerTimeout, match="timed out after 2 s"):
+            _stream(drip.url, timeout=2)
+    assert time.monotonic() - began < 5

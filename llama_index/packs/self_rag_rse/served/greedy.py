@@ -126,14 +126,21 @@ def greedy_options(kind: str, request_options: Mapping[str, Any]) -> dict[str, A
     return {**GREEDY[kind], **request_options}
 
 
-def check_greedy(completion: Completion, *, server: str, url: str, sent: Mapping[str, Any]) -> None:
-    """Raise :class:`ServerNotGreedy` at the first position whose token is not the most likely
-    one the server reported there (positions the server left unreported are skipped).
+def check_greedy(
+    completion: Completion,
+    *,
+    server: str,
+    url: str,
+    sent: Mapping[str, Any],
+    start: int = 0,
+) -> None:
+    """Raise :class:`ServerNotGreedy` at the first position (from ``start``) whose token is not
+    the most likely one the server reported there (positions left unreported are skipped).
 
     ``server`` is the kind, ``url`` the endpoint and ``sent`` the sampling fields of the request,
     so the message can name the option that made the difference.
     """
-    for i, position in enumerate(completion.positions):
+    for i, position in enumerate(completion.positions[start:], start):
         if not position.top or position.logprob is None:
             continue
         best_key, best = max(position.top.items(), key=lambda item: item[1])

@@ -18,8 +18,9 @@ import json
 import logging
 import math
 import threading
+import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 from urllib.parse import urljoin
 
@@ -68,6 +69,13 @@ class ServerRedirect(ServerError):
 
 class MalformedResponse(ServerError):
     """The server answered 200 with a body that is not what the API promises."""
+
+
+async def _timed(step: Awaitable[T], left: float) -> tuple[T, float]:
+    """``step``'s result and the seconds left of ``left`` after it (timing out past them)."""
+    began = time.monotonic()
+    result = await asyncio.wait_for(step, max(left, 0.0))
+    return result, left - (time.monotonic() - began)
 
 
 def _clip(text: str, limit: int = 300) -> str:
@@ -153,32 +161,9 @@ class JSONClient:
                 response = await asyncio.wait_for(
                     client.request(method, url, json=body), self.timeout
                 )
-            except (httpx.TimeoutException, asyncio.TimeoutError) as exc:
-                raise ServerTimeout(
-                    f"{method} {url} timed out after {self.timeout:g} s ({type(exc).__name__}): "
-                    "raise timeout=, lower max_new_tokens, or give the server more parallel slots",
-                    url,
-                ) from exc
-            except httpx.ConnectError as exc:
-                raise ServerUnavailable(
-                    f"cannot connect to {url} ({exc}): is the model server running and is the "
-                    "URL right (e.g. http://127.0.0.1:8080, with /v1 for OpenAI-style servers)?",
-                    url,
-                ) from exc
-            except httpx.HTTPError as exc:
-                raise ServerUnavailable(
-                    f"{method} {url} failed: {type(exc).__name__}: {exc}", url
-                ) from exc
-        if 300 <= response.status_code < 400:
-            raise self._redirect(method, path, response)
-        if response.status_code >= 400:
-            text = response.text
-            raise ServerHTTPError(
-                f"{method} {url} answered HTTP {response.status_code}: {_clip(text)}",
-                url,
-                response.status_code,
-                text,
-            )
+            except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+                raise self._failure(method, url, exc) from exc
+        self._check_status(method, path, response, response.text)
         try:
             return response.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -187,6 +172,91 @@ class JSONClient:
                 f"JSON: {_clip(response.text)!r}",
                 url,
             ) from exc
+
+    async def stream_parsed(
+        self, path: str, body: Mapping[str, Any], parse: Callable[[Any], T]
+    ) -> AsyncIterator[T]:
+        """POST ``body`` to ``path`` and yield each server-sent event's JSON, ``parse``d, as it
+        arrives (``data: [DONE]`` ends the stream). ``timeout`` bounds the time spent waiting
+        for the server in all, not the time the caller spends between events."""
+        url = self.url(path)
+        client, limit = self._client()
+        left = self.timeout
+        async with limit:
+            self.requests += 1
+            request = client.build_request("POST", url, json=body)
+            try:
+                response, left = await _timed(client.send(request, stream=True), left)
+            except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+                raise self._failure("POST", url, exc) from exc
+            try:
+                if response.status_code >= 300:
+                    text, left = await _timed(response.aread(), left)
+                    self._check_status("POST", path, response, text.decode("utf-8", "replace"))
+                lines = response.aiter_lines()
+                while True:
+                    try:
+                        line, left = await _timed(anext(lines), left)
+                    except StopAsyncIteration:
+                        return
+                    except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+                        raise self._failure("POST", url, exc) from exc
+                    if not line.startswith("data:"):
+                        continue  # blank separators, comments, event names
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        return
+                    yield self._event(url, data, parse)
+            finally:
+                await response.aclose()
+
+    def _event(self, url: str, data: str, parse: Callable[[Any], T]) -> T:
+        try:
+            event = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise MalformedResponse(
+                f"POST {url} streamed an event that is not JSON: {_clip(data)!r}", url
+            ) from exc
+        if isinstance(event, Mapping) and "error" in event and len(event) <= 2:
+            raise ServerHTTPError(
+                f"POST {url} streamed an error: {_clip(json.dumps(event['error']))}",
+                url,
+                200,
+                data,
+            )
+        try:
+            return parse(event)
+        except MalformedBody as exc:
+            raise MalformedResponse(f"{url} streamed an unexpected event: {exc}", url) from exc
+
+    def _failure(self, method: str, url: str, exc: BaseException) -> ServerError:
+        """The error to raise for a request that failed before an answer came."""
+        if isinstance(exc, httpx.TimeoutException | asyncio.TimeoutError):
+            return ServerTimeout(
+                f"{method} {url} timed out after {self.timeout:g} s ({type(exc).__name__}): "
+                "raise timeout=, lower max_new_tokens, or give the server more parallel slots",
+                url,
+            )
+        if isinstance(exc, httpx.ConnectError):
+            return ServerUnavailable(
+                f"cannot connect to {url} ({exc}): is the model server running and is the "
+                "URL right (e.g. http://127.0.0.1:8080, with /v1 for OpenAI-style servers)?",
+                url,
+            )
+        return ServerUnavailable(f"{method} {url} failed: {type(exc).__name__}: {exc}", url)
+
+    def _check_status(self, method: str, path: str, response: httpx.Response, text: str) -> None:
+        """Raise for a redirect or an HTTP error status."""
+        url = self.url(path)
+        if 300 <= response.status_code < 400:
+            raise self._redirect(method, path, response)
+        if response.status_code >= 400:
+            raise ServerHTTPError(
+                f"{method} {url} answered HTTP {response.status_code}: {_clip(text)}",
+                url,
+                response.status_code,
+                text,
+            )
 
     def _redirect(self, method: str, path: str, response: httpx.Response) -> ServerRedirect:
         url = self.url(path)

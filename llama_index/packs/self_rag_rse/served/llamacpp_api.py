@@ -15,7 +15,7 @@ log-probs. The OpenAI-style API on a llama-server uses the same follow-ups.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from llama_index.packs.self_rag_rse.self_rag.reflection import SELF_RAG_SPECIAL_TOKENS
@@ -195,6 +195,13 @@ class LlamaCppAPI:
     ) -> Completion:
         body = self._body(prompt, max_new_tokens, top_n)
         return await self.client.post_parsed("/completion", body, parse_native)
+
+    async def stream(
+        self, info: ServerInfo, prompt: Any, max_new_tokens: int, top_n: int
+    ) -> AsyncIterator[Completion]:
+        body = {**self._body(prompt, max_new_tokens, top_n), "stream": True}
+        async for chunk in self.client.stream_parsed("/completion", body, parse_native):
+            yield chunk
 
     async def refetch(
         self, info: ServerInfo, prompt: Any, generated: Sequence[str], top_n: int | None

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -224,6 +224,14 @@ class OpenAIAPI:
         body = self._body(info, prompt, max_new_tokens, top_n)
         parse = partial(parse_openai, with_ids=self._native is not None)
         return await self.client.post_parsed("/completions", body, parse)
+
+    async def stream(
+        self, info: ServerInfo, prompt: Any, max_new_tokens: int, top_n: int
+    ) -> AsyncIterator[Completion]:
+        body = self._body(info, prompt, max_new_tokens, top_n, stream=True)
+        parse = partial(parse_openai, with_ids=self._native is not None, chunk=True)
+        async for chunk in self.client.stream_parsed("/completions", body, parse):
+            yield chunk
 
     async def refetch(
         self, info: ServerInfo, prompt: Any, generated: Sequence[str], top_n: int | None

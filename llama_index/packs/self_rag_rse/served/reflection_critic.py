@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Literal
 
 from llama_index.core.instrumentation import get_dispatcher
@@ -61,10 +61,11 @@ from llama_index.packs.self_rag_rse.served.apis import (
     Layout,
     ReflectionTokensUnidentifiable,
     ServerInfo,
+    answer_positions,
 )
 from llama_index.packs.self_rag_rse.served.endpoint import endpoint_of, split_url
 from llama_index.packs.self_rag_rse.served.followups import GROUPS, Followups
-from llama_index.packs.self_rag_rse.served.greedy import ServerNotGreedy
+from llama_index.packs.self_rag_rse.served.greedy import ServerNotGreedy, check_greedy
 from llama_index.packs.self_rag_rse.served.http import (
     JSONClient,
     MalformedResponse,
@@ -72,7 +73,7 @@ from llama_index.packs.self_rag_rse.served.http import (
 )
 from llama_index.packs.self_rag_rse.served.llamacpp_api import LlamaCppAPI
 from llama_index.packs.self_rag_rse.served.openai_api import OpenAIAPI
-from llama_index.packs.self_rag_rse.served.wire import Completion
+from llama_index.packs.self_rag_rse.served.wire import Completion, key_id
 
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
@@ -370,6 +371,34 @@ class ServedReflectionCritic(BaseCritic):
         await self._followups.complete_positions(backend, info, prompt, completion, [])
         return await self._answer(backend, info, completion)
 
+    async def astream_generate(self, query: str) -> AsyncIterator[str]:
+        """:meth:`agenerate` through the server's streaming API: the answer's text as the server
+        writes it, checked greedy token by token (``ServerNotGreedy`` stops the stream). Text
+        is held back while the newest token may still be the end of generation, or when the
+        server sends no bytes for a token (the rest then comes when the answer is complete)."""
+        backend, info = await self._ready()
+        prompt = await self._prompt(backend, info, query, Layout(after_prompt=(NO_RETRIEVAL,)))
+        url = backend.client.url(backend.endpoint)
+        completion = Completion([], "", stopped=False)
+        emitted = ""
+        async for chunk in backend.stream(info, prompt, self.max_new_tokens, 1):
+            start = len(completion.positions)
+            completion.extend(chunk)
+            check_greedy(completion, server=info.server, url=url, sent=info.sampling, start=start)
+            text = self._text_so_far(info, completion)
+            if text is not None and len(text) > len(emitted) and text.startswith(emitted):
+                yield text[len(emitted) :]
+                emitted = text
+        await self._followups.complete_positions(backend, info, prompt, completion, [])
+        final = await self._answer(backend, info, completion)
+        if final.startswith(emitted):
+            if len(final) > len(emitted):
+                yield final[len(emitted) :]
+        else:  # a later token rewrote text already sent: say so, never lose text
+            logger.warning(
+                "streamed text %r is not a prefix of the final answer %r", emitted, final
+            )
+
     def close(self) -> None:
         """Close the HTTP connections (the server, and the model on it, keep running)."""
         self._root_client.close()
@@ -427,21 +456,27 @@ class ServedReflectionCritic(BaseCritic):
         self, backend: CompletionAPI, info: ServerInfo, completion: Completion
     ) -> str:
         """The answer without reflection tokens, end-of-generation or quoted evidence."""
-        special = set(info.keys.values())
         positions = completion.positions
         last = len(positions) - 1 if backend.ends_with_eog(completion) else len(positions)
-        keep: list[int] = []
-        in_paragraph = False
-        for i, position in enumerate(positions[:last]):
-            if position.key == info.keys[PARAGRAPH_OPEN]:
-                in_paragraph = True  # the model quoting evidence is not part of its answer
-            elif position.key == info.keys[PARAGRAPH_CLOSE]:
-                in_paragraph = False
-            elif not in_paragraph and position.key not in special:
-                keep.append(i)
+        keep = answer_positions(info, positions[:last])
         if not keep:
             return ""
         return await backend.answer_text(info, completion, keep)
+
+    @staticmethod
+    def _text_so_far(info: ServerInfo, completion: Completion) -> str | None:
+        """The answer of a completion still streaming, from all but its newest token (which may
+        be the end of generation), as :meth:`_answer` will read it; ``None`` when a token came
+        without its bytes or text."""
+        positions = completion.positions[:-1]
+        keep = answer_positions(info, positions)
+        pieces = [positions[i].piece for i in keep]
+        if all(p is not None for p in pieces):
+            return b"".join(p for p in pieces if p is not None).decode("utf-8", "ignore").strip()
+        keys = [positions[i].key for i in keep]
+        if any(key_id(k) is not None for k in keys):
+            return None
+        return "".join(keys).strip()
 
     async def _prompt(
         self, backend: CompletionAPI, info: ServerInfo, query: str, layout: Layout

@@ -98,6 +98,13 @@ class Completion:
         """The generated tokens' keys, in order."""
         return [p.key for p in self.positions]
 
+    def extend(self, chunk: Completion) -> None:
+        """Append the next piece of a streamed completion."""
+        self.positions.extend(chunk.positions)
+        self.text += chunk.text
+        self.stopped = self.stopped or chunk.stopped
+        self.extra.update({k: v for k, v in chunk.extra.items() if v is not None})
+
 
 def _require(body: Any, name: str, kind: type | tuple[type, ...]) -> Any:
     if not isinstance(body, Mapping) or name not in body:
@@ -239,7 +246,7 @@ def parse_native_post_sampling(body: Any) -> dict[str, float]:
     return out
 
 
-def parse_openai(body: Any, with_ids: bool = False) -> Completion:
+def parse_openai(body: Any, with_ids: bool = False, chunk: bool = False) -> Completion:
     """Read an OpenAI-style ``/v1/completions`` response with ``logprobs``.
 
     Accepts the legacy format (``tokens``, ``token_logprobs``, ``top_logprobs`` dicts) and
@@ -247,7 +254,9 @@ def parse_openai(body: Any, with_ids: bool = False) -> Completion:
     ``token_id:<id>`` strings, which are ids already, and llama.cpp's entries with
     ``with_ids`` (they carry each token's id and bytes, like the native format).
     ``usage.completion_tokens``, when sent, goes to ``extra`` (llama-server leaves out of its
-    log-probs a token that ends inside a UTF-8 character: the count tells).
+    log-probs a token that ends inside a UTF-8 character: the count tells). ``chunk``: one
+    event of a streamed completion, where the last one (``finish_reason`` set, no text) may
+    carry no ``logprobs``.
     """
     choices = _require(body, "choices", list)
     if not choices or not isinstance(choices[0], Mapping):
@@ -258,14 +267,16 @@ def parse_openai(body: Any, with_ids: bool = False) -> Completion:
         raise MalformedBody("choices[0].text is not a string")
     stopped = choice.get("finish_reason") == "stop"
     logprobs = choice.get("logprobs")
-    if not isinstance(logprobs, Mapping):
-        raise MalformedBody("choices[0].logprobs is missing: the server ignored 'logprobs'")
-    positions: list[Position] = []
     usage = body.get("usage")
     generated = (
         positive_count(usage.get("completion_tokens")) if isinstance(usage, Mapping) else None
     )
     extra: dict[str, Any] = {"completion_tokens": generated} if generated is not None else {}
+    if chunk and logprobs is None and not text:
+        return Completion([], text, stopped, extra)
+    if not isinstance(logprobs, Mapping):
+        raise MalformedBody("choices[0].logprobs is missing: the server ignored 'logprobs'")
+    positions: list[Position] = []
     if "content" in logprobs and isinstance(logprobs["content"], list):
         for i, entry in enumerate(logprobs["content"]):
             if not isinstance(entry, Mapping):

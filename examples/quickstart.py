@@ -12,6 +12,7 @@ the stored collection when the files have not changed.
     python examples/quickstart.py --qdrant-url http://localhost:6333           # a Qdrant server
     python examples/quickstart.py --llm-url http://127.0.0.1:8080/v1     # a served model
     python examples/quickstart.py --sections llm     # sections by the LLM (default: headings)
+    python examples/quickstart.py --long-form        # segments with citations (Self-RAG model)
 
 The bundled model is a placeholder judge (see PLACEHOLDER_NOTE): point --llm-url at a served
 Self-RAG model (llama.cpp's llama-server, vLLM) for real judgements.
@@ -71,6 +72,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--small", action="store_true", help="index one chapter only (fast check)")
     parser.add_argument("--corrective", action="store_true", help="turn on the corrective loop")
     parser.add_argument(
+        "--long-form",
+        action="store_true",
+        help="write the answer segment by segment, each citing its passage (beam 2, at most 4 "
+        "segments); needs a Self-RAG model: --model-path, --llm-url, or offline a placeholder "
+        "(the bundled SmolLM2 with the Self-RAG tokens appended)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         help="llama.cpp threads (default: all cores); fewer when other work shares the machine",
@@ -99,6 +107,24 @@ def model_file(args: argparse.Namespace) -> Path:
         return bundled_gguf()
     except ImportError as error:
         sys.exit(f"no --model-path and {error}")
+
+
+def placeholder_self_rag(args: argparse.Namespace) -> Path:
+    """The bundled SmolLM2 with Self-RAG's 15 tokens appended (written once under --storage), a
+    placeholder for --long-form offline: it was never taught to reflect, so its scores are
+    noise; ``[Retrieval]`` takes the place of ``"."``, so each sentence is a segment."""
+    sys.path.insert(0, str(HERE.parent / "tests"))  # tiny_gguf.py, the tests' GGUF writer
+    from tiny_gguf import add_self_rag_tokens
+
+    from llama_index.packs.self_rag_rse.llamacpp.chat_format import bundled_gguf
+
+    path = args.storage / "smollm2-135m-self-rag-placeholder.gguf"
+    if not path.exists():
+        args.storage.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        add_self_rag_tokens(bundled_gguf(), partial, typing="user_defined", boundary_after=".")
+        partial.rename(path)
+    return path
 
 
 def served_llm(url: str):
@@ -262,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         llm = served_llm(args.llm_url)
         model_name = f"{llm.model} at {args.llm_url}"
     else:
+        if args.long_form and not args.model_path:
+            args.model_path = str(placeholder_self_rag(args))
+            print("Long form offline: the placeholder Self-RAG model (SmolLM2, tokens appended).")
+            print(PLACEHOLDER_NOTE)
         model_path = model_file(args)
         threads = (
             {}
@@ -290,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         ndocs=args.ndocs,
         max_new_tokens=64,
         corrective=args.corrective,
+        long_form=args.long_form,
+        max_segments=4,
     )
     print(f"Critic: {engine.critic.name} ({model_name})")
     if not (args.llm_url or args.model_path):
@@ -302,8 +334,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nAnswer ({elapsed:.1f} s): {response.response}\n")
     print("Decision trace:")
     for entry in meta["trace"]:
+        if entry["step"] == "depth":  # long form: the table is below, for the best path
+            kept = sum(1 for c in entry["candidates"] if c["kept"])
+            entry = {
+                "step": "depth",
+                "depth": entry["depth"],
+                "candidates": len(entry["candidates"]),
+            }
+            entry["kept"] = kept
         print("  -", ", ".join(f"{k}={v}" for k, v in entry.items()))
-    print("\nParagraphs judged (retrieval order; * = chosen):")
+    if args.long_form and meta.get("segments"):
+        print(f"\nSegments of the best path (path score {meta['path_score']:.2f}):")
+        for row in meta["segments"]:
+            print(
+                f"  [{row['citation']}] score {row['score']:.2f} (relevance "
+                f"{row['relevance']:.2f}, support {row['support']:.2f}, utility "
+                f"{row['utility']:+.2f}) {row['text'][:80]!r}"
+            )
+    if not args.long_form:
+        print("\nParagraphs judged (retrieval order; * = chosen):")
     for i, p in enumerate(meta["paragraphs"]):
         mark = "*" if meta["best"] == i else " "
         score = "failed" if p["score"] is None else f"{p['score']:.2f}"
@@ -311,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
             f" {mark} [{i}] score {score} (relevance {p['relevance']:.2f}, support "
             f"{p['support']:.2f}, utility {p['utility']:+.2f}) answer: {p['answer'][:80]!r}"
         )
-    print("\nSource segments, best first:")
+    order = "[n] of the answer" if args.long_form else "best first"
+    print(f"\nSource segments, {order}:")
     for node in response.source_nodes:
         meta_n = node.node.metadata
         where = ""

@@ -62,6 +62,21 @@ def talkative_gguf(tiny_gguf_paths: dict[str, Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def long_form_ggufs(tiny_gguf_paths: dict[str, Path]) -> dict[str, Path]:
+    """Tiny Self-RAG models (seed 3) whose answers go on after their utility token, so that
+    long-form answers have several segments; keyed by typing (control, user_defined)."""
+    from tiny_gguf import write_tiny_gguf
+
+    folder = tiny_gguf_paths["user_defined"].parent
+    return {
+        typing: write_tiny_gguf(
+            folder / f"long_form_{typing}.gguf", typing=typing, seed=3, long_form=True
+        )
+        for typing in ("control", "user_defined")
+    }
+
+
+@pytest.fixture(scope="session")
 def tiny_llm(tiny_gguf_paths: dict[str, Path]) -> Iterator[Any]:
     """A Llama on the tiny model whose reflection tokens are USER_DEFINED."""
     llm = _llama(tiny_gguf_paths["user_defined"])

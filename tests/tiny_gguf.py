@@ -98,6 +98,7 @@ def write_tiny_gguf(
     context_length: int = 2048,
     layer_scale: float = 0.35,
     weight_dtype: str = "f32",
+    long_form: bool = False,
 ) -> Path:
     """Write a tiny llama GGUF at ``path`` and return the path.
 
@@ -106,7 +107,9 @@ def write_tiny_gguf(
     retrieval tokens (a broken Self-RAG vocabulary). ``layer_scale`` is the standard
     deviation of the attention/FFN weights: the larger, the more the context (and not just the
     last token) decides between close alternatives. ``weight_dtype="f16"`` halves the file for
-    large shapes (norms stay F32).
+    large shapes (norms stay F32). ``long_form=True`` lets answers go on after their utility
+    token: some utility tokens lead to ``[Retrieval]`` (a new segment), others to ``[No
+    Retrieval]`` or ``</s>``, each closely followed by the others (the context decides).
     """
     if typing not in (*TYPINGS, "partial"):
         raise ValueError(f"typing must be one of {TYPINGS}, got {typing!r}")
@@ -118,7 +121,8 @@ def write_tiny_gguf(
     head_dim = n_embd // n_head
 
     embd = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
-    out = _bigram_output(rng, tokens, types, ids, embd, typing not in ("none", "partial"))
+    reflection = typing not in ("none", "partial")
+    out = _bigram_output(rng, tokens, types, ids, embd, reflection, long_form and reflection)
 
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name(f"tiny-self-rag-{typing}")
@@ -178,6 +182,7 @@ def _bigram_output(
     ids: dict[str, int],
     embd: np.ndarray,
     with_reflection: bool,
+    long_form: bool = False,
 ) -> np.ndarray:
     """Output rows that make ``next(a)`` likely after token ``a``.
 
@@ -225,8 +230,14 @@ def _bigram_output(
             order = rng.permutation(len(UTILITY_TOKENS))
             for rank, u in enumerate(order):
                 link(grounding, UTILITY_TOKENS[int(u)], 1.0 - 0.03 * rank)
-        for utility in UTILITY_TOKENS:
-            link(utility, "</s>", 1.0)
+        for k, utility in enumerate(UTILITY_TOKENS):
+            if not long_form:
+                link(utility, "</s>", 1.0)
+                continue
+            # No random draw here: the other models stay as they were.
+            ends = (RETRIEVAL, NO_RETRIEVAL, "</s>")
+            for rank, end in enumerate(ends[k % 3 :] + ends[: k % 3]):
+                link(utility, end, 1.0 - 0.02 * rank)
     else:
         link(newline, words[0], 1.0)
     out = rng.standard_normal((n_vocab, n_embd)).astype(np.float32) * 0.02
@@ -245,6 +256,7 @@ def add_self_rag_tokens(
     *,
     typing: str = "control",
     seed: int = 0,
+    boundary_after: str | None = None,
 ) -> Path:
     """Copy the GGUF ``src`` to ``dst`` with the 15 Self-RAG strings appended to its vocabulary.
 
@@ -252,6 +264,10 @@ def add_self_rag_tokens(
     plausible but rare tokens. ``token_embd`` is de-quantised, extended and re-quantised to its
     original type when ``gguf.quants`` can (else stored as F16); a separate ``output`` matrix, if
     any, is extended the same way. All other tensors are copied byte for byte.
+
+    ``boundary_after`` (a token of ``src``, e.g. ``"."``) gives ``[Retrieval]`` that token's rows
+    scaled by 1.05, so greedy decoding writes ``[Retrieval]`` where the model would write that
+    token: long-form answers then have a segment per sentence, as a Self-RAG model's do.
     """
     if typing not in ("control", "user_defined"):
         raise ValueError("typing must be 'control' or 'user_defined'")
@@ -279,12 +295,18 @@ def add_self_rag_tokens(
             value = int(value) + n_new
         writer.add_key_value(key, value, main, sub_type=sub)
 
+    boundary = None
+    if boundary_after is not None:
+        names = [str(t) for t in reader.fields["tokenizer.ggml.tokens"].contents()]
+        boundary = names.index(boundary_after)
     for tensor in reader.tensors:
         if tensor.name in ("token_embd.weight", "output.weight"):
             qtype = tensor.tensor_type
             rows = gguf.quants.dequantize(tensor.data, qtype).reshape(-1, int(tensor.shape[0]))
             mean = rows.mean(axis=0)
             extra = mean + rng.standard_normal((n_new, rows.shape[1])) * rows.std() * 0.1
+            if boundary is not None:
+                extra[SELF_RAG_SPECIAL_TOKENS.index(RETRIEVAL)] = rows[boundary] * 1.05
             full = np.concatenate([rows, extra.astype(np.float32)]).astype(np.float32)
             try:
                 data = gguf.quants.quantize(full, qtype)

@@ -45,6 +45,7 @@ from llama_index.packs.self_rag_rse.llamacpp.sequences import (
     Request,
     SequenceOutput,
     Slot,
+    StopIf,
     failed,
     greedy_step,
     output,
@@ -87,6 +88,7 @@ class _Prompt:
     keep: bool
     truncated: int
     on_token: Callable[[list[int]], None] | None = None
+    stop_if: StopIf | None = None
 
 
 class Conversation:
@@ -201,6 +203,7 @@ class Conversation:
             request.keep,
             request.truncated,
             request.on_token,
+            request.stop_if,
         )
 
     def _sync(self) -> None:
@@ -309,6 +312,7 @@ class Conversation:
                 truncated=prompts[r].truncated,
                 keep=prompts[r].keep,
                 on_token=prompts[r].on_token,
+                stop_if=prompts[r].stop_if,
             )
             for i, r in enumerate(group)
         ]

@@ -14,12 +14,16 @@ import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 from llama_index.core.instrumentation import get_dispatcher
+from numpy.typing import NDArray
 
 from llama_index.packs.self_rag_rse.llamacpp import compat
+from llama_index.packs.self_rag_rse.llamacpp.sequences import Request, SequenceOutput
 from llama_index.packs.self_rag_rse.llamacpp.worker import DecoderWorker
 from llama_index.packs.self_rag_rse.self_rag.contract import (
     BaseCritic,
+    Continuation,
     ParagraphJudgement,
     RetrievalDecision,
 )
@@ -215,6 +219,102 @@ class ReflectionCritic(BaseCritic):
         """The no-evidence answer, token by token as llama.cpp writes it."""
         async for piece in self._worker.stream(self._generate, query):
             yield piece
+
+    # --- long form --------------------------------------------------------------------------------
+
+    writes_segments = True
+
+    async def astart_path(self, query: str) -> tuple[int, ...]:
+        """The prompt's tokens: where every long-form path starts."""
+        return tuple(self._prompt(query))
+
+    @dispatcher.span
+    async def awrite_segments(
+        self, branches: Sequence[tuple[tuple[int, ...], str]], boundary_threshold: float | None
+    ) -> list[Continuation]:
+        """One segment per ``(context, paragraph)``, all decoded side by side in one batched
+        call; contexts and passages shared by several branches are evaluated once."""
+        return await self._worker.run(self._write_segments, branches, boundary_threshold)
+
+    def _write_segments(
+        self, branches: Sequence[tuple[tuple[int, ...], str]], boundary_threshold: float | None
+    ) -> list[Continuation]:
+        if not branches:
+            return []
+        self.decoder.check_open()
+        ids = self.token_ids
+        stop_if = None
+        if boundary_threshold is not None:
+            threshold, no_retrieval = boundary_threshold, ids[NO_RETRIEVAL]
+
+            def stop_if(token: int, tracked: NDArray[np.float64]) -> bool:
+                return token == no_retrieval and retrieval_probability(tracked) > threshold
+
+        requests: list[Request | None] = []
+        for context, paragraph in branches:
+            room = self.decoder.n_ctx - len(context) - 3 - self.max_new_tokens
+            evidence = self._user_tokens(paragraph, add_bos=False)
+            if room < 1:
+                requests.append(None)
+                continue
+            if len(evidence) > room:
+                logger.warning(
+                    "long form: a passage of %d tokens cut to %d to fit n_ctx=%d",
+                    len(evidence),
+                    room,
+                    self.decoder.n_ctx,
+                )
+            tokens = [*context, ids[RETRIEVAL], ids[PARAGRAPH_OPEN], *evidence[:room]]
+            requests.append(
+                Request(
+                    [*tokens, ids[PARAGRAPH_CLOSE]],
+                    self.max_new_tokens,
+                    self._reflection_ids,
+                    stop_ids=[ids[RETRIEVAL]],
+                    truncated=max(0, len(evidence) - room),
+                    stop_if=stop_if,
+                )
+            )
+        todo = [r for r in requests if r is not None]
+        with self.decoder.conversation() as conversation:
+            outputs = iter(conversation.run(todo) if todo else [])
+        return [
+            self._continuation(context, next(outputs) if request is not None else None)
+            for (context, _), request in zip(branches, requests, strict=True)
+        ]
+
+    def _continuation(self, context: tuple[int, ...], out: SequenceOutput | None) -> Continuation:
+        """The segment ``out`` generated after ``context`` and a passage, scored."""
+        if out is None or out.error is not None:
+            error = (
+                f"the path's context ({len(context)} tokens) leaves no room for a passage and "
+                f"{self.max_new_tokens} new tokens in n_ctx={self.decoder.n_ctx}"
+                if out is None
+                else out.error
+            )
+            return Continuation("", 0.0, 0.0, 0.0, 0.0, error=error, context=context, stop="error")
+        tokens = list(out.tokens)
+        stop = "length"
+        if out.finish_reason == "stop":
+            last = tokens.pop()
+            boundary = last in (self.token_ids[RETRIEVAL], self.token_ids[NO_RETRIEVAL])
+            stop = "boundary" if boundary else "eos"
+        scores = score_generation(
+            out.tracked_logprobs,
+            tokens,
+            out.token_logprobs[: len(tokens)],
+            self._reflection_ids,
+        )
+        return Continuation(
+            " ".join(self._answer_text(tokens).split()),
+            scores.relevance,
+            scores.support,
+            scores.utility,
+            scores.seq_score,
+            tokens=tokens,
+            context=(*context, *tokens),
+            stop=stop,
+        )
 
     def close(self) -> None:
         """Wait for running work, then free the critic's llama.cpp context (the ``Llama``

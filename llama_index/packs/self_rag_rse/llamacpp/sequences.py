@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
+#: A stop condition on the generated token and the tracked log-probs at its position.
+StopIf = Callable[[int, NDArray[np.float64]], bool]
+
 
 @dataclass
 class Request:
@@ -26,6 +29,8 @@ class Request:
     call may continue one of them in place. ``truncated`` is handed back in the output (tokens
     the caller cut to fit). ``on_token``, when given, is called with the tokens generated so far
     after every greedy step (on the decoding thread: keep it short), for streaming.
+    ``stop_if(token, tracked)``, when given, also stops generation at ``token`` when it returns
+    true; ``tracked`` holds the log-probs of ``track_ids`` at that position.
     """
 
     tokens: Sequence[int]
@@ -35,6 +40,7 @@ class Request:
     keep: bool = False
     truncated: int = 0
     on_token: Callable[[list[int]], None] | None = None
+    stop_if: StopIf | None = None
 
 
 @dataclass
@@ -78,6 +84,7 @@ class Slot:
     fed: int = 0  # generated tokens evaluated back into the sequence
     on_token: Callable[[list[int]], None] | None = None
     logits: NDArray[np.float32] | None = None  # the last logits read (after all fed tokens)
+    stop_if: StopIf | None = None
 
 
 def track_array(track_ids: Sequence[int], n_vocab: int) -> NDArray[np.intp]:
@@ -125,10 +132,15 @@ def greedy_step(slot: Slot, logits: NDArray[np.float32], is_eog: Callable[[int],
     log_z = top + np.log(np.sum(np.exp(row - top)))
     slot.tokens.append(token)
     slot.token_logprobs.append(float(top - log_z))
-    slot.tracked.append(row[slot.track] - log_z)
+    tracked = row[slot.track] - log_z
+    slot.tracked.append(tracked)
     if slot.on_token is not None:
         slot.on_token(list(slot.tokens))
-    if is_eog(token) or token in slot.stops:
+    if (
+        is_eog(token)
+        or token in slot.stops
+        or (slot.stop_if is not None and slot.stop_if(token, tracked))
+    ):
         slot.finish_reason = "stop"
     elif len(slot.tokens) >= slot.max_new:
         slot.finish_reason = "length"

@@ -74,6 +74,23 @@ class ParagraphJudgement:
         )
 
 
+@dataclass
+class Continuation(ParagraphJudgement):
+    """One long-form segment: a path continued from one passage, and its scores.
+
+    ``answer`` is the segment's text (reflection tokens and quoted evidence removed, whitespace
+    collapsed); ``tokens`` the generated tokens that form it (the boundary or end token left
+    out); ``context`` what the path continues from next (its context plus ``tokens``; the
+    passage is not kept). ``stop`` says why generation ended: ``"boundary"`` (the model asked
+    for evidence again: the path goes on), ``"eos"`` or ``"length"`` (the path is finished), or
+    ``"error"`` (then ``error`` says why).
+    """
+
+    tokens: list[Any] = field(default_factory=list)
+    context: tuple[Any, ...] = ()
+    stop: str = "eos"
+
+
 def final_score(
     relevance: float,
     support: float,
@@ -131,6 +148,35 @@ class BaseCritic(PromptMixin, ABC):
         ``astream_complete``) override it.
         """
         yield await self.agenerate(query)
+
+    #: Whether :meth:`awrite_segments` works (long form needs a model with Self-RAG's tokens).
+    writes_segments: bool = False
+
+    async def astart_path(self, query: str) -> tuple[Any, ...]:
+        """The context a long-form answer to ``query`` starts from (the prompt's tokens)."""
+        raise NotImplementedError(f"the {self.name} critic cannot write long-form answers")
+
+    async def awrite_segments(
+        self, branches: Sequence[tuple[tuple[Any, ...], str]], boundary_threshold: float | None
+    ) -> list[Continuation]:
+        """Continue each ``(context, paragraph)`` greedily from ``context + [Retrieval]<paragraph>
+        paragraph</paragraph>`` up to the next ``[Retrieval]`` (a boundary), the end of
+        generation or ``max_new_tokens``, all branches in one batch, and score each segment.
+
+        ``boundary_threshold``: a generated ``[No Retrieval]`` is a boundary too where
+        p([Retrieval]) / (p([Retrieval]) + p([No Retrieval])) exceeds it (``None``: never).
+        """
+        raise NotImplementedError(f"the {self.name} critic cannot write long-form answers")
+
+    def start_path(self, query: str) -> tuple[Any, ...]:
+        """Blocking :meth:`astart_path`."""
+        return run_sync(self.astart_path(query))
+
+    def write_segments(
+        self, branches: Sequence[tuple[tuple[Any, ...], str]], boundary_threshold: float | None
+    ) -> list[Continuation]:
+        """Blocking :meth:`awrite_segments`."""
+        return run_sync(self.awrite_segments(branches, boundary_threshold))
 
     def decide_retrieval(
         self, query: str, threshold: float | None, answer_if_skipped: bool = True

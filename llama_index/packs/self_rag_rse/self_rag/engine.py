@@ -36,7 +36,7 @@ from llama_index.core.prompts.mixin import PromptDictType, PromptMixin, PromptMi
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryType
 
-from llama_index.packs.self_rag_rse.common.bridge import adrive, drive
+from llama_index.packs.self_rag_rse.common.bridge import adrive, drive, iterate_sync, run_sync
 from llama_index.packs.self_rag_rse.common.options import pydantic_fields, reject_unknown
 from llama_index.packs.self_rag_rse.self_rag.contract import (
     BaseCritic,
@@ -44,31 +44,33 @@ from llama_index.packs.self_rag_rse.self_rag.contract import (
     RetrievalDecision,
 )
 from llama_index.packs.self_rag_rse.self_rag.factory import build_critic
+from llama_index.packs.self_rag_rse.self_rag.long_form import (
+    astream_pieces,
+    check_long_form,
+    long_form_flow,
+    long_form_unsupported,
+)
 from llama_index.packs.self_rag_rse.self_rag.prompts import (
     ENGINE_PROMPT_VARIABLES,
     ENGINE_PROMPTS,
     as_template,
 )
+from llama_index.packs.self_rag_rse.self_rag.short_form import short_form_flow
 from llama_index.packs.self_rag_rse.self_rag.steps import (
     Outcome,
-    Retrieved,
     Step,
     aretrieve,
     astream_answer,
     astripped,
-    best_candidate,
     check_options,
     check_query,
     check_retriever,
-    ensure_support,
-    no_nodes_reason,
-    node_text,
     paragraph_text,
     retrieve,
     stream_answer,
     stripped,
 )
-from llama_index.packs.self_rag_rse.self_rag.trace import Candidate, paragraph_meta, print_table
+from llama_index.packs.self_rag_rse.self_rag.trace import print_table
 
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
@@ -79,6 +81,8 @@ Mode = Literal["adaptive_retrieval", "always_retrieve", "no_retrieval"]
 NO_ANSWER = "No answer could be generated for this question."
 #: Metadata keys tried, in order, for a paragraph's title line.
 DEFAULT_TITLE_KEYS = ("title", "document_title")
+#: Steps the critic answers (the others read the retriever, or pass a streamed piece on).
+_CRITIC_STEPS = frozenset({"decide", "judge", "generate", "start", "write"})
 #: Keyword arguments of the upstream constructor that are not pydantic fields.
 _CONSTRUCTOR_ARGS = (
     "model_path",
@@ -169,6 +173,22 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             "paragraphs is known, and yielded, once every paragraph is judged."
         ),
     )
+    long_form: bool = Field(
+        default=False,
+        description=(
+            "Write the answer segment by segment, each citing its passage (beam search over "
+            "per-passage continuations; needs a Self-RAG model). max_new_tokens is per segment."
+        ),
+    )
+    beam_width: int = Field(default=2, description="Long form: paths kept at each depth.")
+    max_segments: int = Field(default=6, description="Long form: most segments per answer.")
+    segment_retrieval: Literal["per_segment", "once"] = Field(
+        default="per_segment",
+        description=(
+            "Long form: retrieve again for each path with the query and its last segment "
+            "(per_segment), or use the query's passages at every depth (once)."
+        ),
+    )
     verbose: bool = Field(default=False, description="Print a per-paragraph table and the trace.")
 
     _critic: Any = PrivateAttr(default=None)
@@ -207,6 +227,7 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             )
         super().__init__(retriever=retriever, verbose=verbose, **options)  # type: ignore[call-arg]
         check_options(self)
+        check_long_form(self)
         built = build_critic(
             critic,
             llm=llm,
@@ -218,6 +239,9 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         self._critic = built.critic
         self._owns_critic = isinstance(critic, str)
         self._owned_model = built.loaded_model
+        if self.long_form and not self._critic.writes_segments:
+            self.close()
+            raise ValueError(long_form_unsupported(self._critic.name))
         self._prompts = dict(ENGINE_PROMPTS)
         logger.info("Self-RAG critic: %s", self._critic.name)
         if self.verbose:
@@ -314,6 +338,8 @@ class SelfRAGQueryEngine(CustomQueryEngine):
 
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
         """Run Self-RAG for one query (blocking)."""
+        if self.streaming and self.long_form:
+            return self._stream_long_form(query_str)
         outcome = drive(self._flow(query_str), self._run)
         if self.streaming:
             pieces = stream_answer(outcome.answer, self._critic.stream_generate, query_str)
@@ -325,6 +351,8 @@ class SelfRAGQueryEngine(CustomQueryEngine):
 
     async def acustom_query(self, query_str: str) -> Response | AsyncStreamingResponse:
         """Run Self-RAG for one query; model work runs off the event loop."""
+        if self.streaming and self.long_form:
+            return self._astream_long_form(query_str)
         outcome = await adrive(self._flow(query_str), self._arun)
         if self.streaming:
             apieces = astream_answer(outcome.answer, self._critic.astream_generate, query_str)
@@ -334,32 +362,60 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             outcome.answer = await self._critic.agenerate(query_str)
         return Response(self._final(outcome.answer, outcome.meta), **self._parts(outcome))
 
+    def _stream_long_form(self, query: str) -> StreamingResponse:
+        """Long form, streamed: the search runs as the response is read (see
+        :func:`~.long_form.astream_pieces`); sources and metadata are complete at its end."""
+        meta: dict[str, Any] = {}
+        sources: list[NodeWithScore] = []
+        final = functools.partial(self._final, meta=meta)
+        pieces = stripped(iterate_sync(astream_pieces(self, query, meta, sources)), final)
+        return StreamingResponse(pieces, source_nodes=sources, metadata={"self_rag": meta})
+
+    def _astream_long_form(self, query: str) -> AsyncStreamingResponse:
+        """Async :meth:`_stream_long_form`."""
+        meta: dict[str, Any] = {}
+        sources: list[NodeWithScore] = []
+        final = functools.partial(self._final, meta=meta)
+        pieces = astripped(astream_pieces(self, query, meta, sources), final)
+        return AsyncStreamingResponse(pieces, source_nodes=sources, metadata={"self_rag": meta})
+
     # -- drivers ----------------------------------------------------------------------------
     def _run(self, step: Step) -> Any:
-        if step.kind == "decide":
-            return self._critic.decide_retrieval(step.text, self.threshold, not self.streaming)
+        return run_sync(self._arun(step)) if step.kind in _CRITIC_STEPS else self._run_here(step)
+
+    def _run_here(self, step: Step) -> Any:
         if step.kind == "retrieve":
             return retrieve(self.retriever, self.node_postprocessors, step.text)
-        if step.kind == "judge":
-            return self._critic.judge(step.text, list(step.paragraphs))
-        return self._critic.generate(step.text)
+        return None  # emit: nothing to do unless the answer is streamed
 
     async def _arun(self, step: Step) -> Any:
+        critic = self._critic
         if step.kind == "decide":
-            return await self._critic.adecide_retrieval(
-                step.text, self.threshold, not self.streaming
-            )
+            return await critic.adecide_retrieval(step.text, self.threshold, not self.streaming)
         if step.kind == "retrieve":
             return await aretrieve(self.retriever, self.node_postprocessors, step.text)
         if step.kind == "judge":
-            return await self._critic.ajudge(step.text, list(step.paragraphs))
-        return await self._critic.agenerate(step.text)
+            return await critic.ajudge(step.text, list(step.paragraphs))
+        if step.kind == "start":
+            return await critic.astart_path(step.text)
+        if step.kind == "write":
+            return await critic.awrite_segments(step.branches, self._boundary_threshold())
+        if step.kind == "emit":
+            return None
+        return await critic.agenerate(step.text)
+
+    def _boundary_threshold(self) -> float | None:
+        """Long form: where a generated [No Retrieval] ends a segment (adaptive mode only)."""
+        return self.threshold if self.mode == "adaptive_retrieval" else None
 
     # -- the algorithm ----------------------------------------------------------------------
-    def _flow(self, query: str) -> Generator[Step, Any, Outcome]:
+    def _flow(
+        self, query: str, meta: dict[str, Any] | None = None
+    ) -> Generator[Step, Any, Outcome]:
         check_query(query)
         trace: list[dict[str, Any]] = []
-        meta: dict[str, Any] = {
+        meta = meta if meta is not None else {}
+        meta |= {
             "critic": self._critic.name,
             "retrieve": False,
             "retrieve_prob": None,
@@ -367,6 +423,8 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             "paragraphs": [],
             "trace": trace,
         }
+        if self.long_form:
+            meta |= {"long_form": True, "segments": [], "path_score": None, "depth": 0, "beams": []}
         if self.mode == "no_retrieval":
             trace.append({"step": "generate", "reason": "mode=no_retrieval"})
             return Outcome(None, [], meta)
@@ -378,93 +436,9 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             )
             if not decision.retrieve:
                 return Outcome(decision.answer, [], meta)
-
-        candidates: list[Candidate] = []
-        seen: set[str] = set()
-        rounds = 0
-        search_query = query
-        used_query2doc = False
-        while True:
-            rounds += 1
-            retrieved: Retrieved = yield Step("retrieve", search_query)
-            fresh = [n for n in retrieved.nodes if n.node.node_id not in seen]
-            if self.ndocs is not None:
-                fresh = fresh[: self.ndocs]
-            entry: dict[str, Any] = dict(
-                step="retrieve", round=rounds, query=search_query, nodes=len(fresh)
-            )
-            if retrieved.dropped_by is not None:
-                entry["retrieved"] = retrieved.retrieved
-                entry["dropped_by"] = retrieved.dropped_by
-                entry["reason"] = retrieved.note
-            trace.append(entry)
-            empty = [n for n in fresh if not node_text(n).strip()]
-            if empty:
-                # Nothing to judge or to answer from: skip, and say so.
-                ids = [n.node.node_id for n in empty]
-                trace.append(dict(step="skip_empty", node_ids=ids, reason="paragraph has no text"))
-                seen.update(n.node.node_id for n in empty)
-                fresh = [n for n in fresh if n not in empty]
-            if fresh:
-                judgements = yield Step("judge", query, [self._paragraph(n) for n in fresh])
-                for node, judgement in zip(fresh, judgements, strict=True):
-                    seen.add(node.node.node_id)
-                    candidates.append(Candidate(node, judgement, self._score(judgement)))
-            if not self.corrective or rounds >= self.max_retrieval_rounds:
-                break
-            best = best_candidate(self._relevant(candidates))
-            if best is None:
-                reason = "no relevant paragraph"
-            elif best.judgement.utility < self.utility_threshold:
-                reason = "low utility"
-            else:
-                break
-            if not used_query2doc and reason == "no relevant paragraph":
-                used_query2doc = True
-                search_query = yield Step("generate", self._prompt("query2doc_prompt", query))
-                trace.append({"step": "query2doc", "reason": reason, "query": search_query})
-            else:
-                search_query = yield Step("generate", self._prompt("rewrite_prompt", query))
-                trace.append({"step": "rewrite", "reason": reason, "query": search_query})
-            if not search_query.strip():
-                search_query = query
-
-        if self.corrective:
-            # Keep only paragraphs that passed the relevance bar across rounds; if none did,
-            # every round failed and the model answers alone.
-            relevant = self._relevant(candidates)
-            if candidates and not relevant:
-                trace.append({"step": "fallback", "reason": "no relevant paragraph in any round"})
-                meta["retrieve"] = True
-                meta["paragraphs"] = [paragraph_meta(c) for c in candidates]
-                return Outcome(None, candidates, meta)
-            grounded = self._prompt("grounded_prompt", query)
-            chosen = yield from ensure_support(
-                relevant,
-                trace,
-                regenerate=lambda c: Step("judge", grounded, [self._paragraph(c.node)]),
-                score=self._score,
-                threshold=self.support_threshold,
-                attempts=self.max_regenerations,
-            )
-        else:
-            chosen = best_candidate(candidates)
-
-        meta["retrieve"] = bool(candidates)
-        meta["paragraphs"] = [paragraph_meta(c) for c in candidates]
-        if chosen is None or not chosen.judgement.answer.strip():
-            reason = "no usable answer" if candidates else no_nodes_reason(trace)
-            trace.append({"step": "fallback", "reason": reason})
-            return Outcome(None, candidates, meta)
-        return Outcome(chosen.judgement.answer, candidates, meta, chosen)
-
-    def _relevant(self, candidates: list[Candidate]) -> list[Candidate]:
-        """Paragraphs the corrective loop may answer from: relevance at the bar, no error."""
-        return [
-            c
-            for c in candidates
-            if c.judgement.error is None and c.judgement.relevance >= self.rewrite_threshold
-        ]
+        if self.long_form:
+            return (yield from long_form_flow(self, query, meta))
+        return (yield from short_form_flow(self, query, meta))
 
     def _score(self, judgement: ParagraphJudgement) -> float:
         if judgement.error is not None:
@@ -487,6 +461,8 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             meta["best"] = next(i for i, c in enumerate(candidates) if c is best)
         if self.verbose:
             print_table(candidates, meta)
+        if outcome.sources is not None:
+            return {"source_nodes": outcome.sources, "metadata": {"self_rag": meta}}
         ranked = sorted(candidates, key=lambda c: (c is not best, -c.score))
         sources = [
             NodeWithScore(node=c.node.node, score=c.score if c.judgement.error is None else None)

@@ -39,22 +39,27 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Step:
-    """One unit of work the drivers execute: ``kind`` is decide, retrieve, judge or generate."""
+    """One unit of work the drivers execute: ``kind`` is decide, retrieve, judge or generate,
+    and in long form start (a path's first context), write (one segment per ``branches``
+    entry: a path's context and a paragraph) or emit (a decided piece of a streamed answer)."""
 
     kind: str
     text: str
     paragraphs: Sequence[str] = ()
+    branches: Sequence[tuple[tuple[Any, ...], str]] = ()
 
 
 @dataclass
 class Outcome:
     """Where the flow ended: the answer (``None``: the model answers alone, with no evidence,
-    and may stream it), the judged paragraphs, the metadata and the chosen paragraph."""
+    and may stream it), the judged paragraphs, the metadata and the chosen paragraph; long
+    form sets ``sources`` (the cited passages) instead of candidates."""
 
     answer: str | None
     candidates: list[Candidate]
     meta: dict[str, Any]
     best: Candidate | None = None
+    sources: list[NodeWithScore] | None = None
 
 
 def stream_answer(

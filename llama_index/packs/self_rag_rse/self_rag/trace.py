@@ -45,6 +45,8 @@ def print_table(candidates: list[Candidate], meta: dict[str, Any]) -> None:
         f"Self-RAG [{meta['critic']}] retrieve={meta['retrieve']}"
         + (f" p={prob:.3f}" if prob is not None else "")
     )
+    if meta.get("long_form"):
+        _print_depths(meta)
     if candidates:
         print(
             f"  {'#':>2} {'node':<10} {'rel':>5} {'sup':>5} {'use':>5} {'seq':>5} "
@@ -61,3 +63,28 @@ def print_table(candidates: list[Candidate], meta: dict[str, Any]) -> None:
         )
     for entry in meta["trace"]:
         print("  trace:", entry)
+
+
+def _print_depths(meta: dict[str, Any]) -> None:
+    """Long form: one table per depth, every candidate path (kept ones starred)."""
+    for entry in meta["trace"]:
+        if entry.get("step") != "depth":
+            continue
+        print(f"  depth {entry['depth']}:")
+        print(
+            f"  {'#':>3} {'path':<24} {'rel':>5} {'sup':>5} {'use':>5} {'seg':>6} "
+            f"{'path':>6}  segment"
+        )
+        for row in entry["candidates"]:
+            mark = "*" if row["kept"] else " "
+            path = ">".join(n[:6] for n in row["node_ids"])[-24:] or "-"
+            scores = (
+                f"{row['relevance']:5.2f} {row['support']:5.2f} {row['utility']:+5.2f} "
+                f"{row['score']:6.2f}"
+                if row["score"] is not None
+                else f"{'-':>5} {'-':>5} {'-':>5} {'-':>6}"
+            )
+            done = " (done)" if row["finished"] else ""
+            text = row["segment"].replace("\n", " ")[:50]
+            total = f"{row['path_score']:6.2f}"
+            print(f" {mark}{row['rank']:>3} {path:<24} {scores} {total}  {text}{done}")

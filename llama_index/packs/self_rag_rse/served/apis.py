@@ -13,11 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from llama_index.packs.self_rag_rse.self_rag.reflection import (
-    PARAGRAPH_CLOSE,
-    PARAGRAPH_OPEN,
-    SELF_RAG_SPECIAL_TOKENS,
-)
+from llama_index.packs.self_rag_rse.self_rag.reflection import SELF_RAG_SPECIAL_TOKENS
 from llama_index.packs.self_rag_rse.served.http import JSONClient
 from llama_index.packs.self_rag_rse.served.wire import Completion, Position
 
@@ -136,18 +132,3 @@ def clean_user_text(text: str) -> str:
     for token in SELF_RAG_SPECIAL_TOKENS:
         text = text.replace(token, "")
     return text
-
-
-def answer_positions(info: ServerInfo, positions: Sequence[Position]) -> list[int]:
-    """Indices of the answer's own tokens: no reflection token, no evidence the model quotes."""
-    special = set(info.keys.values())
-    keep: list[int] = []
-    in_paragraph = False
-    for i, position in enumerate(positions):
-        if position.key == info.keys[PARAGRAPH_OPEN]:
-            in_paragraph = True  # the model quoting evidence is not part of its answer
-        elif position.key == info.keys[PARAGRAPH_CLOSE]:
-            in_paragraph = False
-        elif not in_paragraph and position.key not in special:
-            keep.append(i)
-    return keep

@@ -113,6 +113,11 @@ class OpenAIAPI:
         self._native: LlamaCppAPI | None = None
         self._prompt_ids: dict[str, list[int]] = {}
 
+    @property
+    def native(self) -> LlamaCppAPI | None:
+        """llama-server's native API behind this one (token ids), when the server is one."""
+        return self._native
+
     def _body(
         self, info: ServerInfo, prompt: Any, max_tokens: int, top_n: int, **extra: Any
     ) -> dict[str, Any]:

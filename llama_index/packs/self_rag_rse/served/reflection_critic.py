@@ -41,6 +41,7 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.packs.self_rag_rse.common.bridge import run_sync
 from llama_index.packs.self_rag_rse.self_rag.contract import (
     BaseCritic,
+    Continuation,
     ParagraphJudgement,
     RetrievalDecision,
 )
@@ -52,20 +53,27 @@ from llama_index.packs.self_rag_rse.self_rag.reflection import (
     REFLECTION_TOKENS,
     RETRIEVAL,
     MissingReflectionTokens,
-    logprobs_from_top_dicts,
     retrieval_probability,
     score_generation,
+)
+from llama_index.packs.self_rag_rse.served.answers import (
+    answer_of,
+    each_or_error,
+    fit_passage,
+    paragraph_marks,
+    reflection_matrix,
+    text_so_far,
+    token_api,
+    write_segment,
 )
 from llama_index.packs.self_rag_rse.served.apis import (
     CompletionAPI,
     Layout,
-    ReflectionTokensUnidentifiable,
     ServerInfo,
-    answer_positions,
 )
 from llama_index.packs.self_rag_rse.served.endpoint import endpoint_of, split_url
 from llama_index.packs.self_rag_rse.served.followups import GROUPS, Followups
-from llama_index.packs.self_rag_rse.served.greedy import ServerNotGreedy, check_greedy
+from llama_index.packs.self_rag_rse.served.greedy import check_greedy
 from llama_index.packs.self_rag_rse.served.http import (
     JSONClient,
     MalformedResponse,
@@ -73,7 +81,7 @@ from llama_index.packs.self_rag_rse.served.http import (
 )
 from llama_index.packs.self_rag_rse.served.llamacpp_api import LlamaCppAPI
 from llama_index.packs.self_rag_rse.served.openai_api import OpenAIAPI
-from llama_index.packs.self_rag_rse.served.wire import Completion, key_id
+from llama_index.packs.self_rag_rse.served.wire import Completion
 
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
@@ -310,7 +318,7 @@ class ServedReflectionCritic(BaseCritic):
             await self._followups.complete_positions(
                 backend, info, prompt, completion, [(0, "retrieval")]
             )
-            probability = retrieval_probability(self._matrix(info, completion))
+            probability = retrieval_probability(reflection_matrix(info, completion))
             retrieve = probability > threshold if threshold is not None else retrieval_key in keys
         answer = None
         if not retrieve and answer_if_skipped:
@@ -341,26 +349,7 @@ class ServedReflectionCritic(BaseCritic):
         results = await asyncio.gather(
             *(self._judge_one(backend, info, p) for p in prompts), return_exceptions=True
         )
-        judgements = []
-        for result in results:
-            if isinstance(result, BaseException):
-                if not isinstance(result, Exception) or isinstance(
-                    result, ReflectionTokensUnidentifiable | ServerNotGreedy
-                ):
-                    raise result  # not this paragraph's fault: no paragraph can be trusted
-                logger.warning("served critic: a paragraph failed: %s", result)
-                judgements.append(
-                    ParagraphJudgement(
-                        answer="",
-                        relevance=0.0,
-                        support=0.0,
-                        utility=0.0,
-                        error=f"{type(result).__name__}: {result}",
-                    )
-                )
-            else:
-                judgements.append(result)
-        return judgements
+        return each_or_error(results, lambda i, e: ParagraphJudgement("", 0.0, 0.0, 0.0, error=e))
 
     @dispatcher.span
     async def agenerate(self, query: str) -> str:
@@ -369,7 +358,7 @@ class ServedReflectionCritic(BaseCritic):
         prompt = await self._prompt(backend, info, query, Layout(after_prompt=(NO_RETRIEVAL,)))
         completion = await backend.complete(info, prompt, self.max_new_tokens, 1)
         await self._followups.complete_positions(backend, info, prompt, completion, [])
-        return await self._answer(backend, info, completion)
+        return await answer_of(backend, info, completion)
 
     async def astream_generate(self, query: str) -> AsyncIterator[str]:
         """:meth:`agenerate` through the server's streaming API: the answer's text as the server
@@ -385,12 +374,12 @@ class ServedReflectionCritic(BaseCritic):
             start = len(completion.positions)
             completion.extend(chunk)
             check_greedy(completion, server=info.server, url=url, sent=info.sampling, start=start)
-            text = self._text_so_far(info, completion)
+            text = text_so_far(info, completion)
             if text is not None and len(text) > len(emitted) and text.startswith(emitted):
                 yield text[len(emitted) :]
                 emitted = text
         await self._followups.complete_positions(backend, info, prompt, completion, [])
-        final = await self._answer(backend, info, completion)
+        final = await answer_of(backend, info, completion)
         if final.startswith(emitted):
             if len(final) > len(emitted):
                 yield final[len(emitted) :]
@@ -398,6 +387,52 @@ class ServedReflectionCritic(BaseCritic):
             logger.warning(
                 "streamed text %r is not a prefix of the final answer %r", emitted, final
             )
+
+    # --- long form ------------------------------------------------------------------------------
+
+    writes_segments = True
+
+    async def astart_path(self, query: str) -> tuple[int, ...]:
+        """The prompt's token ids (long form needs an API that speaks token ids)."""
+        backend, info = await self._ready()
+        token_api(backend, self.openai_base)
+        return tuple(await self._prompt(backend, info, query, Layout()))
+
+    @dispatcher.span
+    async def awrite_segments(
+        self, branches: Sequence[tuple[tuple[int, ...], str]], boundary_threshold: float | None
+    ) -> list[Continuation]:
+        """One segment per ``(context, paragraph)``, all requests concurrent (see
+        :func:`~.answers.write_segment`); a branch whose request failed comes back with
+        ``error`` set."""
+        if not branches:
+            return []
+        backend, info = await self._ready()
+        before, after = paragraph_marks(info)
+        texts = ["", *(p for _, p in branches)]  # the first gets BOS
+        bodies = (await token_api(backend, self.openai_base).tokenize(texts))[1:]
+        results = await asyncio.gather(
+            *(
+                write_segment(
+                    backend,
+                    info,
+                    self._followups,
+                    fit_passage(info, context, [*before, *body, *after], self.max_new_tokens),
+                    context,
+                    self.max_new_tokens,
+                    self.top_logprobs,
+                    boundary_threshold,
+                )
+                for (context, _), body in zip(branches, bodies, strict=True)
+            ),
+            return_exceptions=True,
+        )
+        return each_or_error(
+            results,
+            lambda i, e: Continuation(
+                "", 0.0, 0.0, 0.0, error=e, context=branches[i][0], stop="error"
+            ),
+        )
 
     def close(self) -> None:
         """Close the HTTP connections (the server, and the model on it, keep running)."""
@@ -433,12 +468,12 @@ class ServedReflectionCritic(BaseCritic):
         details = await self._followups.complete_positions(backend, info, prompt, completion, needs)
         columns = [info.keys[t] for t in REFLECTION_TOKENS]
         scores = score_generation(
-            self._matrix(info, completion),
+            reflection_matrix(info, completion),
             keys,
             [p.logprob if p.logprob is not None else 0.0 for p in completion.positions],
             columns,
         )
-        answer = await self._answer(backend, info, completion)
+        answer = await answer_of(backend, info, completion)
         return ParagraphJudgement(
             answer=answer,
             relevance=scores.relevance,
@@ -447,36 +482,6 @@ class ServedReflectionCritic(BaseCritic):
             seq_score=scores.seq_score,
             details=details,
         )
-
-    def _matrix(self, info: ServerInfo, completion: Completion) -> Any:
-        columns = [info.keys[t] for t in REFLECTION_TOKENS]
-        return logprobs_from_top_dicts([p.top for p in completion.positions], columns)
-
-    async def _answer(
-        self, backend: CompletionAPI, info: ServerInfo, completion: Completion
-    ) -> str:
-        """The answer without reflection tokens, end-of-generation or quoted evidence."""
-        positions = completion.positions
-        last = len(positions) - 1 if backend.ends_with_eog(completion) else len(positions)
-        keep = answer_positions(info, positions[:last])
-        if not keep:
-            return ""
-        return await backend.answer_text(info, completion, keep)
-
-    @staticmethod
-    def _text_so_far(info: ServerInfo, completion: Completion) -> str | None:
-        """The answer of a completion still streaming, from all but its newest token (which may
-        be the end of generation), as :meth:`_answer` will read it; ``None`` when a token came
-        without its bytes or text."""
-        positions = completion.positions[:-1]
-        keep = answer_positions(info, positions)
-        pieces = [positions[i].piece for i in keep]
-        if all(p is not None for p in pieces):
-            return b"".join(p for p in pieces if p is not None).decode("utf-8", "ignore").strip()
-        keys = [positions[i].key for i in keep]
-        if any(key_id(k) is not None for k in keys):
-            return None
-        return "".join(keys).strip()
 
     async def _prompt(
         self, backend: CompletionAPI, info: ServerInfo, query: str, layout: Layout

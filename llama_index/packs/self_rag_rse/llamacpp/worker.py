@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from llama_index.packs.self_rag_rse.common.bridge import SerialWorker
 from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder
+from llama_index.packs.self_rag_rse.self_rag.steps import unsent_rest
 
 if TYPE_CHECKING:
     import llama_cpp
@@ -70,13 +71,8 @@ class DecoderWorker:
         finally:
             if not task.done():
                 task.add_done_callback(_retrieve_exception)
-        if final.startswith(emitted):
-            if len(final) > len(emitted):
-                yield final[len(emitted) :]
-        else:  # detokenizing more tokens rewrote text already sent: say so, never lose text
-            logger.warning(
-                "streamed text %r is not a prefix of the final answer %r", emitted, final
-            )
+        if rest := unsent_rest(emitted, final):
+            yield rest
 
     def _held(self, func: Callable[..., T], *args: Any) -> T:
         with self.decoder.hold():

@@ -83,6 +83,16 @@ async def astream_answer(
             yield piece
 
 
+def unsent_rest(emitted: str, final: str) -> str:
+    """What of the ``final`` answer a stream that already sent ``emitted`` still owes; when
+    later tokens rewrote text already sent (detokenizing more bytes can), nothing more is sent
+    and a warning shows both, so the difference is never silent."""
+    if final.startswith(emitted):
+        return final[len(emitted) :]
+    logger.warning("streamed text %r is not a prefix of the final answer %r", emitted, final)
+    return ""
+
+
 def stripped(pieces: Iterable[str], final: Callable[[str], str]) -> Generator[str, None, None]:
     """``pieces`` with the answer's outer whitespace held back, so that they join to the
     stripped answer (what a non-streamed response holds); an answer that is all whitespace

@@ -56,6 +56,7 @@ from llama_index.packs.self_rag_rse.self_rag.reflection import (
     retrieval_probability,
     score_generation,
 )
+from llama_index.packs.self_rag_rse.self_rag.steps import unsent_rest
 from llama_index.packs.self_rag_rse.served.answers import (
     answer_of,
     each_or_error,
@@ -380,13 +381,8 @@ class ServedReflectionCritic(BaseCritic):
                 emitted = text
         await self._followups.complete_positions(backend, info, prompt, completion, [])
         final = await answer_of(backend, info, completion)
-        if final.startswith(emitted):
-            if len(final) > len(emitted):
-                yield final[len(emitted) :]
-        else:  # a later token rewrote text already sent: say so, never lose text
-            logger.warning(
-                "streamed text %r is not a prefix of the final answer %r", emitted, final
-            )
+        if rest := unsent_rest(emitted, final):
+            yield rest
 
     # --- long form ------------------------------------------------------------------------------
 

@@ -115,7 +115,7 @@ def long_form_flow(engine: Any, query: str, meta: dict[str, Any]) -> Generator[S
             for i, nodes in passages.items()
             for node in nodes
         ]
-        written = iter((yield Step("write", query, branches=branches)) if branches else [])
+        segments = iter((yield Step("write", query, branches=branches)) if branches else [])
         candidates: list[Path] = []
         for i, path in enumerate(beam):
             if path.finished:
@@ -123,7 +123,7 @@ def long_form_flow(engine: Any, query: str, meta: dict[str, Any]) -> Generator[S
                 continue
             children = []
             for node in passages[i]:
-                segment = next(written)
+                segment = next(segments)
                 if segment.error is not None:
                     trace.append(
                         dict(step="segment_failed", depth=depth, path=i, node_id=_id(node))
@@ -144,9 +144,9 @@ def long_form_flow(engine: Any, query: str, meta: dict[str, Any]) -> Generator[S
             [{"score": p.score, "node_ids": [_id(w.passage) for w in p.segments]} for p in beam]
         )
         if emit:  # one path: its new segments are final
-            for written in beam[0].segments[emitted:]:
-                if written.segment.answer:
-                    yield Step("emit", (" " if numbers else "") + _cite(written, numbers))
+            for new in beam[0].segments[emitted:]:
+                if new.segment.answer:
+                    yield Step("emit", (" " if numbers else "") + _cite(new, numbers))
             emitted = len(beam[0].segments)
     return _answer(beam[0], meta, trace)
 

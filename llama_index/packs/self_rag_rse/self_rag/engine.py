@@ -109,9 +109,9 @@ class SelfRAGQueryEngine(CustomQueryEngine):
 
     The final score of a paragraph's answer is ``[seq_score] + w_rel·IsREL + w_sup·IsSUP +
     w_use·IsUSE``; the best one is the response. ``long_form=True`` writes the answer segment by
-    segment instead, each citing its passage (:mod:`.long_form`; Self-RAG models only). Unknown options raise ``TypeError``. See the
-    README for where we differ from the upstream pack (probability gate, first grounding/utility
-    position, original source nodes).
+    segment instead, each citing its passage (:mod:`.long_form`; Self-RAG models only). Unknown
+    options raise ``TypeError``. See the README for where we differ from the upstream pack
+    (probability gate, first grounding/utility position, original source nodes).
 
     Example::
 

@@ -214,3 +214,24 @@ def test_a_critic_given_as_built_is_checked_too(llm: Any) -> None:
         assert SelfRAGQueryEngine(critic=critic, retriever=FixedRetriever(), long_form=True)
     finally:
         critic.close()
+
+
+def test_a_context_that_outgrows_n_ctx_finishes_the_path_and_says_why(llm: Any) -> None:
+    critic = ReflectionCritic(llm, max_new_tokens=MAX_NEW, n_ctx=90)
+    try:
+        engine_ = SelfRAGQueryEngine(
+            critic=critic,
+            retriever=FixedRetriever(),
+            mode="always_retrieve",
+            long_form=True,
+            max_segments=4,
+            max_new_tokens=MAX_NEW,
+        )
+        response = engine_.query(QUESTION)
+    finally:
+        critic.close()
+    trace = response.metadata["self_rag"]["trace"]
+    failed = [t for t in trace if t["step"] == "segment_failed"]
+    assert failed and all("leaves no room for a passage" in t["error"] for t in failed)
+    assert any(t.get("reason") == "every continuation failed" for t in trace)
+    assert response.metadata["self_rag"]["segments"] and response.source_nodes

@@ -277,6 +277,19 @@ CASES = [
 ]
 
 
+def run_case(oracle: Oracle, case: Any) -> dict[str, Any]:
+    """The oracle's answer for one of CASES (the [No Retrieval] boundary in adaptive mode only)."""
+    question, mode, threshold, beam_width, max_segments, segment_retrieval = case
+    return oracle.run(
+        question,
+        passages_of(HashedRetriever()),
+        beam_width=beam_width,
+        max_segments=max_segments,
+        threshold=threshold if mode == "adaptive_retrieval" else None,
+        once=segment_retrieval == "once",
+    )
+
+
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_the_engine_equals_the_oracle(models: Any, case: Any) -> None:
     llm, oracle = models
@@ -296,15 +309,7 @@ def test_the_engine_equals_the_oracle(models: Any, case: Any) -> None:
     meta = response.metadata["self_rag"]
     if mode == "adaptive_retrieval":
         assert meta["retrieve"], "the case needs the gate to retrieve"
-    boundary = threshold if mode == "adaptive_retrieval" else None
-    expected = oracle.run(
-        question,
-        passages_of(HashedRetriever()),
-        beam_width=beam_width,
-        max_segments=max_segments,
-        threshold=boundary,
-        once=segment_retrieval == "once",
-    )
+    expected = run_case(oracle, case)
     assert response.response == expected["answer"]
     assert meta["depth"] == expected["depth"]
     rows = meta["segments"]
@@ -338,16 +343,8 @@ def test_the_cases_cover_every_kind_of_stop(models: Any) -> None:
     oracle.written.clear()
     stops: set[str] = set()
     carried = False
-    for question, mode, threshold, beam_width, max_segments, segment_retrieval in CASES:
-        boundary = threshold if mode == "adaptive_retrieval" else None
-        result = oracle.run(
-            question,
-            passages_of(HashedRetriever()),
-            beam_width=beam_width,
-            max_segments=max_segments,
-            threshold=boundary,
-            once=segment_retrieval == "once",
-        )
+    for case in CASES:
+        result = run_case(oracle, case)
         carried |= result["depth"] > len(result["segments"])
     for seg in oracle.written:
         kind = seg.stop

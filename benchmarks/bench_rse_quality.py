@@ -210,6 +210,19 @@ def segment_spans(items):
     ]
 
 
+def budgeted_rse(index: Index, budgets: list[int], preset: str, extra: dict[str, Any]):
+    """RSE given each character budget itself (``max_context_chars``): the search maximises
+    value within it, headers counted, and fills what is left with the best remaining hits."""
+    from llama_index.packs.self_rag_rse import RelevantSegmentPostprocessor
+
+    return {
+        b: RelevantSegmentPostprocessor(
+            vector_store=index.store, preset=preset, max_context_chars=b, **extra
+        )
+        for b in budgets
+    }
+
+
 def sized_rse(index: Index, budgets: list[int], preset: str, extra: dict[str, Any]):
     """RSE with its budget knob (overall_max_length, in chunks) sized to each character budget
     from the index's mean chunk advance, so RSE chooses what fits instead of being cut."""
@@ -241,19 +254,21 @@ def evaluate(queries: list[Query], methods: dict[str, tuple[Index, Any]], budget
                 t = time.perf_counter()
                 spans = method(hits_cache[key], budget)
                 timings[name] += time.perf_counter() - t
-                results[(name, budget)].append(score(spans_of(spans, budget), query))
+                kept = spans_of(spans, budget)
+                recall, precision = score(kept, query)
+                results[(name, budget)].append((recall, precision, sum(e - s for _, s, e in kept)))
     calls = max(1, len(queries) * len(budgets))
     return results, {m: 1000 * t / calls for m, t in timings.items()}
 
 
 def table(title: str, methods, results, timings, budgets) -> None:
     print(f"\n{title}")
-    print(f"{'method':<28}" + "".join(f"| budget {b:>5}: recall  prec " for b in budgets))
+    print(f"{'method':<28}" + "".join(f"| budget {b:>5}: recall  prec  chars " for b in budgets))
     for name in methods:
         row = f"{name:<28}"
         for budget in budgets:
             r = np.array(results[(name, budget)])
-            row += f"| {'':>13}{r[:, 0].mean():6.3f} {r[:, 1].mean():5.3f} "
+            row += f"| {'':>13}{r[:, 0].mean():6.3f} {r[:, 1].mean():5.3f} {r[:, 2].mean():6.0f} "
         print(row + f"| {timings[name]:.1f} ms/call")
 
 
@@ -262,7 +277,8 @@ def summary(results, names: dict[str, str], budgets) -> dict[str, Any]:
     for key, name in names.items():
         recall = [round(float(np.array(results[(name, b)])[:, 0].mean()), 4) for b in budgets]
         precision = [round(float(np.array(results[(name, b)])[:, 1].mean()), 4) for b in budgets]
-        out[key] = {"recall": recall, "precision": precision}
+        chars = [round(float(np.array(results[(name, b)])[:, 2].mean()), 1) for b in budgets]
+        out[key] = {"recall": recall, "precision": precision, "chars": chars}
     return out
 
 
@@ -405,30 +421,39 @@ def main() -> None:
     prevnext = PrevNextNodePostprocessor(docstore=docstore, num_nodes=1, mode="both")
     rse = RelevantSegmentPostprocessor(vector_store=plain.store, preset=args.preset, **extra)
     sized = {index.name: sized_rse(index, args.budgets, args.preset, extra) for index in indexes}
+    budgeted = {
+        index.name: budgeted_rse(index, args.budgets, args.preset, extra) for index in indexes
+    }
 
     def topk_method(index: Index):
         return index, lambda hits, budget: chunk_spans(hits)
 
     def rse_method(index: Index):
         return index, lambda hits, budget: segment_spans(
+            budgeted[index.name][budget].postprocess_nodes(hits)
+        )
+
+    def sized_method(index: Index):
+        return index, lambda hits, budget: segment_spans(
             sized[index.name][budget].postprocess_nodes(hits)
         )
 
-    rse_name = f"RSE {args.preset}, sized"
+    rse_name = "RSE, budget"
     no_headers = {
         "top-k": topk_method(plain),
         "PrevNext(1, both)": (plain, lambda h, b: chunk_spans(prevnext.postprocess_nodes(h))),
         f"RSE {args.preset}": (plain, lambda h, b: segment_spans(rse.postprocess_nodes(h))),
+        f"RSE {args.preset}, sized": sized_method(plain),
         rse_name: rse_method(plain),
     }
     extras: dict[str, tuple[Index, Any]] = {}
     if sectioned is not None:
         extras["sections only + top-k"] = topk_method(sectioned)
-        extras["sections only + RSE (sized)"] = rse_method(sectioned)
+        extras["sections only + RSE, budget"] = rse_method(sectioned)
     llm_rows: dict[str, tuple[Index, Any]] = {}
     if llm_index is not None:  # judged by the questions (its headers hold section titles)
         llm_rows["LLM sections + top-k"] = topk_method(llm_index)
-        llm_rows["LLM sections + RSE (sized)"] = rse_method(llm_index)
+        llm_rows["LLM sections + RSE, budget"] = rse_method(llm_index)
     final: dict[str, Any] = {"budgets": args.budgets}
 
     def run(kind: str, queries: list[Query], index: Index, note: str) -> dict[str, Any]:
@@ -438,7 +463,7 @@ def main() -> None:
         methods = {
             **baseline,
             "headers + top-k": topk_method(index),
-            "headers + RSE (sized)": rse_method(index),
+            "headers + RSE, budget": rse_method(index),
             **extras,
             **(llm_rows if kind == "questions" or not questions else {}),
         }
@@ -448,7 +473,7 @@ def main() -> None:
             "top-k": "top-k",
             "rse": rse_name,
             "headers+top-k": "headers + top-k",
-            "headers+rse": "headers + RSE (sized)",
+            "headers+rse": "headers + RSE, budget",
         }
         found = summary(results, names, args.budgets)
         ours, theirs = found["headers+rse"]["recall"], found["rse"]["recall"]
@@ -462,7 +487,7 @@ def main() -> None:
         if "LLM sections + top-k" in methods:
             found["llm_sections"] = summary(
                 results,
-                {"top-k": "LLM sections + top-k", "rse": "LLM sections + RSE (sized)"},
+                {"top-k": "LLM sections + top-k", "rse": "LLM sections + RSE, budget"},
                 args.budgets,
             )
         return found

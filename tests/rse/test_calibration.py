@@ -21,6 +21,7 @@ from llama_index.packs.self_rag_rse.rse.calibration import (
     calibrate,
     calibrate_beta,
     calibrate_cosine_adaptive,
+    calibrate_spread,
     calibrate_minmax,
 )
 
@@ -189,12 +190,48 @@ def test_cosine_adaptive_keeps_the_order_and_stays_in_range(scores: list[float])
         assert out.max() == 1.0
 
 
+@given(
+    st.lists(st.floats(-1.0, 1.0), min_size=1, max_size=30),
+    st.floats(0.05, 5.0),
+    st.floats(-1.0, 1.0),
+)
+def test_spread_ignores_the_embedders_scale_and_offset(
+    scores: list[float], scale: float, shift: float
+) -> None:
+    """Best hit 1, median hit 0, in range, order kept; and a model scoring the same ranking on
+    another scale (compressed cosines, say) gets the same relevance."""
+    values = np.array(scores)
+    out = calibrate_spread(values)
+    assert np.all((out >= 0.0) & (out <= 1.0))
+    order = np.argsort(values, kind="stable")
+    assert np.all(np.diff(out[order]) >= 0.0)
+    assert out[np.argmax(values)] == 1.0
+    assert np.all(out[values <= np.median(values)] == 0.0) or values.max() == np.median(values)
+    np.testing.assert_allclose(calibrate_spread(values * scale + shift), out, atol=1e-9)
+
+
+def test_spread_edge_cases() -> None:
+    np.testing.assert_array_equal(calibrate_spread(np.array([0.4])), [1.0])
+    np.testing.assert_array_equal(calibrate_spread(np.array([0.4, 0.4, 0.4])), [1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(
+        calibrate_spread(np.array([np.inf, 0.2, 0.5, -np.inf, 0.3])), [1.0, 0.0, 1.0, 0.0, 0.0]
+    )
+
+
 # -- the registry: every calibration named once ---------------------------------------------------
 
 
 def test_calibrate_dispatches_by_name():
     scores = np.array([-0.2, 0.05, 0.3, 0.55, 0.97])
-    assert sorted(CALIBRATIONS) == ["cohere", "cosine", "cosine_adaptive", "raw", "voyage"]
+    assert sorted(CALIBRATIONS) == [
+        "cohere",
+        "cosine",
+        "cosine_adaptive",
+        "raw",
+        "spread",
+        "voyage",
+    ]
+    np.testing.assert_array_equal(calibrate("spread", scores), calibrate_spread(scores))
     np.testing.assert_array_equal(
         calibrate("cosine_adaptive", scores),
         calibrate_cosine_adaptive(scores, *DEFAULT_COSINE_RANGE),

@@ -217,6 +217,28 @@ def calibrate_cosine_adaptive(scores: ArrayLike, low: float, high: float) -> Flo
     return np.asarray(calibrate_minmax(values, low, max(high, top)), dtype=np.float64)
 
 
+def calibrate_spread(scores: ArrayLike) -> FloatArray:
+    """Relevance of one query's hits from their own score distribution: the best hit 1, the
+    median hit 0, linear between, clipped to [0, 1].
+
+    Nothing here depends on the embedder's scale or offset (cosines of 0.3-0.6 and of 0.75-0.9
+    map alike), so it needs no range tuned per model; rank decay does the rest. The hits below
+    the median count 0: they are worth what a chunk never retrieved is worth, and only a
+    budget's fill takes them. Equal scores all count 1. Infinite scores map to 0 or 1 and do
+    not move the best or the median.
+    """
+    values = np.asarray(scores, dtype=np.float64)
+    finite = values[np.isfinite(values)]
+    if not finite.size:
+        return np.where(values > 0, 1.0, 0.0)
+    top, middle = float(finite.max()), float(np.median(finite))
+    if top <= middle:
+        return np.where(values >= top, 1.0, 0.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = (values - middle) / (top - middle)
+    return np.clip(np.nan_to_num(scaled, posinf=1.0, neginf=0.0), 0.0, 1.0)
+
+
 #: Cosine similarities of all-MiniLM/BGE-class embedders mapped linearly onto [0, 1]: unrelated
 #: passages score about 0.1 with these models, clearly relevant ones 0.5 and above (see README).
 DEFAULT_COSINE_RANGE = (0.1, 0.5)
@@ -234,6 +256,10 @@ def _cosine_adaptive(scores: FloatArray, cosine_range: tuple[float, float]) -> F
     return calibrate_cosine_adaptive(scores, *cosine_range)
 
 
+def _spread(scores: FloatArray, cosine_range: tuple[float, float]) -> FloatArray:
+    return calibrate_spread(scores)
+
+
 def _raw(scores: FloatArray, cosine_range: tuple[float, float]) -> FloatArray:
     return np.asarray(scores, dtype=np.float64)
 
@@ -249,13 +275,15 @@ def _voyage(scores: FloatArray, cosine_range: tuple[float, float]) -> FloatArray
 CALIBRATIONS: dict[str, Calibrator] = {
     "cosine_adaptive": _cosine_adaptive,
     "cosine": _cosine,
+    "spread": _spread,
     "raw": _raw,
     "cohere": _cohere,
     "voyage": _voyage,
 }
 """Every calibration by name: ``cosine_adaptive`` (linear over the cosine range, its top raised
 to the query's best hit; the default, for embedding similarity), ``cosine`` (linear over the
-fixed cosine range), ``raw`` (scores used as they are), ``cohere`` / ``voyage`` (dsRAG's Beta
+fixed cosine range), ``spread`` (per query: best hit 1, median hit 0; no range to tune per
+embedder), ``raw`` (scores used as they are), ``cohere`` / ``voyage`` (dsRAG's Beta
 CDFs)."""
 
 

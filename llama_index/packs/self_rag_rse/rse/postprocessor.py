@@ -33,6 +33,11 @@ from llama_index.packs.self_rag_rse.common.options import (
     reject_unknown,
     require_finite,
 )
+from llama_index.packs.self_rag_rse.rse.budget import (
+    MAX_BUDGET,
+    fill_budget,
+    find_budgeted_segments,
+)
 from llama_index.packs.self_rag_rse.rse.calibration import (
     DEFAULT_COSINE_RANGE,
     check_calibration,
@@ -41,7 +46,15 @@ from llama_index.packs.self_rag_rse.rse.calibration import (
 )
 from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_INDEX_KEY, CHUNK_VERSION_KEY
 from llama_index.packs.self_rag_rse.rse.chunk_sources import ChunkRequest, ChunkSource
+from llama_index.packs.self_rag_rse.rse.costs import (
+    CHARS_PER_TOKEN,
+    chunk_costs,
+    count_tokens,
+    llm_text,
+    node_cost,
+)
 from llama_index.packs.self_rag_rse.rse.layout import (
+    DocumentLayout,
     lay_out,
     missing_positions,
     place_read,
@@ -63,6 +76,10 @@ dispatcher = get_dispatcher(__name__)
 #: and the search, run again, wants chunks it did not want before; the bound keeps a store that
 #: keeps revealing holes from costing a read per chunk.
 MAX_READ_ROUNDS = 3
+
+#: Most searches under a context budget: when the nodes built exceed it (costs of chunks not at
+#: hand were estimates), the budget shrinks by the excess and the search runs again.
+MAX_BUDGET_ROUNDS = 3
 
 #: Keyword arguments the constructor takes besides the pydantic fields.
 _PARTS = ("docstore", "vector_store", "index")
@@ -123,12 +140,14 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         default=None, description="Only documents of the top-k hits (by best rank) are searched."
     )
     calibration: Any = Field(
-        default="cosine_adaptive",
+        default=None,
         description=(
-            "How node scores become relevance in [0, 1]: 'cosine_adaptive' (linear over "
-            "cosine_range, its top raised to the query's best score), 'cosine' (linear over the "
-            "fixed cosine_range), 'raw' (as is), 'cohere' / 'voyage' (dsRAG's beta CDFs for those "
-            "rerankers), or a callable on a numpy array (one query's scores)."
+            "How node scores become relevance in [0, 1]: 'spread' (per query: best hit 1, median "
+            "hit 0; no range to tune per embedder), 'cosine_adaptive' (linear over cosine_range, "
+            "its top raised to the query's best score), 'cosine' (linear over the fixed "
+            "cosine_range), 'raw' (as is), 'cohere' / 'voyage' (dsRAG's beta CDFs for those "
+            "rerankers), or a callable on a numpy array (one query's scores). None (default): "
+            "'spread' under a context budget, 'cosine_adaptive' without one."
         ),
     )
     cosine_range: tuple[float, float] = Field(
@@ -167,6 +186,26 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         default=20_000,
         description="Most nodes read back per document when the order must be read from the store.",
     )
+    max_context_chars: int | None = Field(
+        default=None,
+        description=(
+            "Most characters the returned nodes hand the LLM (segment text with the overlap cut, "
+            "each segment's header once). Set, the search maximises value within it and fills "
+            "what is left with the best remaining hits; None keeps dsRAG's chunk counts."
+        ),
+    )
+    max_context_tokens: int | None = Field(
+        default=None,
+        description="The same budget in tokens, counted with `tokenizer`.",
+    )
+    tokenizer: Any = Field(
+        default=None,
+        exclude=True,
+        description=(
+            "Callable text -> tokens (a sequence) for max_context_tokens; default: one token per "
+            "4 characters, rounded up."
+        ),
+    )
     verbose: bool = Field(default=False, description="Print a readable trace.")
 
     _docstore: BaseDocumentStore | None = PrivateAttr(default=None)
@@ -199,7 +238,9 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
             raise ValueError(
                 f"overall_max_length must be at least 1, got {self.overall_max_length}"
             )
-        check_calibration(self.calibration)
+        if self.calibration is not None:
+            check_calibration(self.calibration)
+        self._check_budget()
         low, high = self.cosine_range
         require_finite(
             type(self).__name__,
@@ -212,6 +253,42 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
             raise ValueError(
                 f"cosine_range must be (low, high) with high > low, got {self.cosine_range}"
             )
+
+    def _check_budget(self) -> None:
+        for name in ("max_context_chars", "max_context_tokens"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"{name} must be a positive integer, got {value!r}: pass the size of the "
+                    "context the LLM may read, e.g. 3000"
+                )
+            if value > MAX_BUDGET:
+                raise ValueError(f"{name} must be at most {MAX_BUDGET:,}, got {value:,}")
+        if self.budgeted and self.output != "segments":
+            raise ValueError(
+                "a context budget (max_context_chars / max_context_tokens) needs "
+                "output='segments': member chunks repeat their overlap, which the budget cuts"
+            )
+        if self.tokenizer is not None and not callable(self.tokenizer):
+            raise ValueError(
+                f"tokenizer must be a callable text -> tokens, got {type(self.tokenizer).__name__}"
+                ": pass e.g. tiktoken.get_encoding('cl100k_base').encode"
+            )
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether a context budget is set (the segments are then sized to it)."""
+        return self.max_context_chars is not None or self.max_context_tokens is not None
+
+    @property
+    def relevance_calibration(self) -> Any:
+        """The calibration in use: the one given, else 'spread' under a budget, else
+        'cosine_adaptive'."""
+        if self.calibration is not None:
+            return self.calibration
+        return "spread" if self.budgeted else "cosine_adaptive"
 
     @classmethod
     def class_name(cls) -> str:
@@ -281,7 +358,10 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
     ) -> Generator[ChunkRequest, Any, SegmentExtraction]:
         hits, passthrough = self._rank(nodes)
         if not hits:
-            return self._finish(SegmentExtraction([], [], passthrough), nodes, hits)
+            extraction = SegmentExtraction([], [], passthrough)
+            if self.budgeted:
+                self._fit_passthrough(extraction, self._budget(hits))
+            return self._finish(extraction, nodes, hits)
         docs = self._select_documents(hits)
         layouts = yield from lay_out(
             docs, source, self.chunk_index_key, self.max_document_chunks, self.chunk_version_key
@@ -295,12 +375,42 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         extra = [h.item for h in hits if h.node.node_id in claimed]
         self._unplaceable(extra, "claim the chunk index of a better-ranked hit of their document")
         passthrough.extend(extra)
+        # Hits by node id, best first (dict order): their values, and their ranks for ties.
         values_of = {h.node.node_id: h.value for h in hits}
+        budget = self._budget(hits) if self.budgeted else None
+        segments, regions = yield from self._settle(docs, layouts, values_of, source, budget)
+        if budget is not None:
+            # Costs of chunks not at hand were estimates: check the nodes, shrink, search again.
+            for _ in range(MAX_BUDGET_ROUNDS):
+                over = budget.overrun(self._cost(segments))
+                if over <= 0:
+                    break
+                budget = budget.shrunk(over)
+                segments, regions = yield from self._settle(
+                    docs, layouts, values_of, source, budget
+                )
+            segments = self._trim(segments, budget)
+        holes = [hole for doc_id in docs for hole in layouts[doc_id].holes]
+        extraction = SegmentExtraction(regions, segments, passthrough, holes=holes)
+        if budget is not None:
+            self._fit_passthrough(extraction, budget)
+        return self._finish(extraction, nodes, hits)
+
+    def _settle(
+        self,
+        docs: dict[str, list[BaseNode]],
+        layouts: dict[str, DocumentLayout],
+        values_of: dict[str, float],
+        source: ChunkSource,
+        budget: _Budget | None,
+    ) -> Generator[ChunkRequest, Any, tuple[list[Segment], list[DocumentRegion]]]:
+        """Search, read the chunks the segments need, search again where reads showed holes;
+        returns the segments with their members, and the regions last searched."""
         penalty = float(self._param("irrelevant_chunk_penalty"))
         length = int(self._param("max_length"))
         # In rank order of the documents: the search breaks ties by position.
         regions = [r for d in docs for r in layouts[d].regions(values_of, penalty, length)]
-        segments = self._search(regions)
+        segments = self._search(regions, layouts, values_of, budget)
         rounds = 0
         while True:
             missing = missing_positions(segments, layouts)
@@ -318,12 +428,10 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
             if not found and not missing_positions(segments, layouts):
                 break
             regions = [r for d in docs for r in layouts[d].regions(values_of, penalty, length)]
-            segments = self._search(regions)
+            segments = self._search(regions, layouts, values_of, budget)
         for segment in segments:
             layouts[segment.doc_id].fill(segment, self.chunk_index_key)
-        holes = [hole for doc_id in docs for hole in layouts[doc_id].holes]
-        extraction = SegmentExtraction(regions, segments, passthrough, holes=holes)
-        return self._finish(extraction, nodes, hits)
+        return segments, regions
 
     # -- steps --------------------------------------------------------------------------------
     def _rank(self, nodes: list[NodeWithScore]) -> tuple[list[_Hit], list[NodeWithScore]]:
@@ -346,7 +454,7 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
                 "for a consistent ranking",
                 stacklevel=4,
             )
-        relevance = node_relevance(self.calibration, scores, self.cosine_range)
+        relevance = node_relevance(self.relevance_calibration, scores, self.cosine_range)
         ranks = np.arange(len(unique), dtype=float)
         values = chunk_value(
             ranks, relevance, self._param("decay_rate"), self._param("irrelevant_chunk_penalty")
@@ -379,7 +487,8 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         warnings.warn(message, stacklevel=5)
 
     def _select_documents(self, hits: list[_Hit]) -> dict[str, list[BaseNode]]:
-        top_k = int(self._param("top_k_for_document_selection"))
+        # Under a budget the budget decides; top-k keeps every document's hits too.
+        top_k = len(hits) if self.budgeted else int(self._param("top_k_for_document_selection"))
         docs: dict[str, list[BaseNode]] = {}
         for hit in hits:  # hits are in rank order, so documents enter by their best rank
             doc_id = hit.node.ref_doc_id
@@ -390,23 +499,118 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
                 docs[doc_id] = [hit.node]
         return docs
 
-    def _search(self, regions: list[DocumentRegion]) -> list[Segment]:
+    def _search(
+        self,
+        regions: list[DocumentRegion],
+        layouts: dict[str, DocumentLayout],
+        values_of: dict[str, float],
+        budget: _Budget | None,
+    ) -> list[Segment]:
         if not regions:
             return []
         laid_out = SegmentExtraction(regions, [], [])
-        spans, scores = find_best_segments(
-            laid_out.values[None, :],
-            laid_out.document_splits,
-            int(self._param("max_length")),
-            int(self._param("overall_max_length")),
-            float(self._param("minimum_value")),
-        )
+        if budget is None:
+            spans, scores = find_best_segments(
+                laid_out.values[None, :],
+                laid_out.document_splits,
+                int(self._param("max_length")),
+                int(self._param("overall_max_length")),
+                float(self._param("minimum_value")),
+            )
+        else:
+            spans = self._budgeted_spans(laid_out, layouts, values_of, budget)
+            scores = [float(np.sum(laid_out.values[start:end])) for start, end in spans]
         segments = [
             laid_out.segment_at(start, end, score)
             for (start, end), score in zip(spans, scores, strict=True)
         ]
         segments.sort(key=lambda s: -s.value)
         return segments
+
+    def _budgeted_spans(
+        self,
+        laid_out: SegmentExtraction,
+        layouts: dict[str, DocumentLayout],
+        values_of: dict[str, float],
+        budget: _Budget,
+    ) -> list[tuple[int, int]]:
+        """Segments worth most within the budget, then the best remaining hits that fit."""
+        values, splits = laid_out.values, laid_out.document_splits
+        first, step = chunk_costs(laid_out.regions, layouts, self._overhead)
+        spans, _ = find_budgeted_segments(
+            values,
+            splits,
+            first,
+            step,
+            budget.chars,
+            int(self._param("max_length")),
+            float(self._param("minimum_value")),
+        )
+        where: dict[str, int] = {}
+        offset = 0
+        for region in laid_out.regions:
+            held = layouts[region.doc_id].held
+            for i, position in enumerate(region.positions):
+                node = held.get(position)
+                if node is not None and node.node_id in values_of:
+                    where[node.node_id] = offset + i
+            offset += len(region.positions)
+        # In rank order (values_of is best first): equal values fill as top-k would.
+        hit_positions = [where[node_id] for node_id in values_of if node_id in where]
+        return fill_budget(spans, values, splits, first, step, budget.chars, hit_positions)
+
+    def _overhead(self, node: BaseNode) -> int:
+        """Characters a segment starting at ``node`` shows besides its text (its header)."""
+        alone = Segment(node.ref_doc_id or "", 0, 1, 0.0, members=[node])
+        built = segment_nodes(alone, self.chunk_index_key)[0]
+        return len(llm_text(built)) - len(built.get_content())
+
+    def _cost(self, segments: Sequence[Segment]) -> tuple[int, int]:
+        """``(characters, tokens)`` the LLM reads for ``segments``' nodes."""
+        chars = tokens = 0
+        for segment in segments:
+            for node in segment_nodes(segment, self.chunk_index_key):
+                c, t = node_cost(node, self.tokenizer)
+                chars, tokens = chars + c, tokens + t
+        return chars, tokens
+
+    def _budget(self, hits: list[_Hit]) -> _Budget:
+        """The budget in characters; a token budget converts at the hits' own ratio."""
+        limits = []
+        ratio = float(CHARS_PER_TOKEN)
+        if self.max_context_tokens is not None:
+            texts = [h.node.get_content() for h in hits]
+            counted = sum(count_tokens(t, self.tokenizer) for t in texts)
+            ratio = sum(map(len, texts)) / counted if counted else ratio
+            limits.append(int(self.max_context_tokens * ratio))
+        if self.max_context_chars is not None:
+            limits.append(self.max_context_chars)
+        return _Budget(min(limits), ratio, self.max_context_chars, self.max_context_tokens)
+
+    def _trim(self, segments: list[Segment], budget: _Budget) -> list[Segment]:
+        """Drop the least valuable segments until the nodes fit (estimates that stayed wrong)."""
+        kept = sorted(segments, key=lambda s: -s.value)
+        while kept and budget.overrun(self._cost(kept)) > 0:
+            kept.pop()
+        return kept
+
+    def _fit_passthrough(self, extraction: SegmentExtraction, budget: _Budget) -> None:
+        """Nodes RSE could not place follow the segments as far as the budget lets them."""
+        chars, tokens = self._cost(extraction.segments)
+        kept = []
+        for item in extraction.passthrough:
+            c, t = node_cost(item.node, self.tokenizer)
+            if budget.overrun((chars + c, tokens + t)) <= 0:
+                kept.append(item)
+                chars, tokens = chars + c, tokens + t
+            else:
+                extraction.left_out.append(item)
+        extraction.passthrough = kept
+        if extraction.left_out:
+            logger.info(
+                "RSE left %d unplaced node(s) out: they do not fit the context budget",
+                len(extraction.left_out),
+            )
 
     def _finish(
         self, extraction: SegmentExtraction, nodes: list[NodeWithScore], hits: list[_Hit]
@@ -440,6 +644,17 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         head = f"RSE kept none of {n_nodes} nodes"
         if not hits or not extraction.regions:
             return f"{head}: none could be placed in a document"
+        if self.budgeted:
+            cheapest = min(len(h.node.get_content()) + self._overhead(h.node) for h in hits)
+            limits = ", ".join(
+                f"{name}={getattr(self, name)}"
+                for name in ("max_context_chars", "max_context_tokens")
+                if getattr(self, name) is not None
+            )
+            return (
+                f"{head}: no hit fits the context budget ({limits}); the shortest needs "
+                f"{cheapest} characters with its header: raise the budget"
+            )
         values = extraction.values
         if float(values.max()) < 0:
             return (
@@ -467,6 +682,28 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
                     for node in segment_nodes(segment, self.chunk_index_key)
                 )
         return result + extraction.passthrough
+
+
+@dataclass(frozen=True)
+class _Budget:
+    """A context budget: ``chars`` the search spends, ``ratio`` characters per token (for a
+    token limit), and the user's limits the built nodes are checked against."""
+
+    chars: int
+    ratio: float
+    max_chars: int | None
+    max_tokens: int | None
+
+    def overrun(self, cost: tuple[int, int]) -> int:
+        """By how many characters ``(characters, tokens)`` exceed the limits (<= 0: fits)."""
+        chars, tokens = cost
+        over = chars - self.max_chars if self.max_chars is not None else -1
+        if self.max_tokens is not None:
+            over = max(over, math.ceil((tokens - self.max_tokens) * self.ratio))
+        return over
+
+    def shrunk(self, over: int) -> _Budget:
+        return _Budget(max(0, self.chars - over), self.ratio, self.max_chars, self.max_tokens)
 
 
 @dataclass

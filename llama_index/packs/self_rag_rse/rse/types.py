@@ -73,8 +73,9 @@ class Hole:
 class SegmentExtraction:
     """Everything one call computed: the regions searched (values laid end to end, as the
     segment search saw them), the segments chosen, the nodes that could not be placed in any
-    document, the holes that kept chunks apart, how many store reads it took, and a ``note``
-    saying why nothing was returned when nodes came in but no segment did.
+    document, the holes that kept chunks apart, how many store reads it took, a ``note`` saying
+    why nothing was returned when nodes came in but no segment did, and (under a context
+    budget) the unplaced nodes ``left_out`` because they did not fit.
     :func:`~llama_index.packs.self_rag_rse.plot_segments` draws it."""
 
     regions: list[DocumentRegion]
@@ -83,6 +84,7 @@ class SegmentExtraction:
     store_calls: int = 0
     holes: list[Hole] = field(default_factory=list)
     note: str | None = None
+    left_out: list[NodeWithScore] = field(default_factory=list)
 
     @property
     def values(self) -> np.ndarray:
@@ -151,6 +153,8 @@ class SegmentExtraction:
             lines.append(f"  hole doc {h.doc_id[:12]} between {h.left} and {h.right}: {h.reason}")
         if self.passthrough:
             lines.append(f"  {len(self.passthrough)} node(s) passed through unplaced")
+        if self.left_out:
+            lines.append(f"  {len(self.left_out)} unplaced node(s) left out: over the budget")
         if self.note:
             lines.append(f"  {self.note}")
         return "\n".join(lines)

@@ -1,0 +1,371 @@
+"""Segment search under a context budget: the segments worth most that fit, then a fill.
+
+dsRAG's search stops at a chunk count (``overall_max_length``), which only approximates what a
+prompt can hold: chunks differ in length, neighbours overlap, each segment brings a header. Here
+every chunk has a *cost* (characters or tokens of the text the LLM will read) and the search
+maximises the total value of the segments whose costs sum to at most the budget, exactly: a
+knapsack over segments, solved by dynamic programming over positions and budget.
+
+1. :func:`find_budgeted_segments` (phase 1) picks segments worth at least ``minimum_value``
+   each, at most ``max_length`` chunks long, never touching each other inside a document, with
+   the largest total value that fits the budget.
+2. :func:`fill_budget` (phase 2) spends what is left on the best remaining chunks by value,
+   one at a time: a chunk next to a chosen segment extends it (its overlap is not paid twice),
+   any other becomes a one-chunk segment. A strong isolated hit therefore still comes back, and
+   the result is never emptier than top-k at the same budget.
+
+Costs are additive: chunk ``i`` costs ``first_costs[i]`` when it begins a segment (its text
+plus the segment's header) and ``step_costs[i]`` when it follows chunk ``i - 1`` (its text
+minus the overlap with that chunk). Nothing here imports LlamaIndex; the only dependency is
+numpy.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["fill_budget", "find_budgeted_segments", "segment_cost"]
+
+FloatArray = NDArray[np.float64]
+IntArray = NDArray[np.int64]
+
+# Largest budget the search accepts in one piece: its arrays hold budget + 1 cells per state.
+MAX_BUDGET = 10_000_000
+
+
+def find_budgeted_segments(
+    values: Sequence[float] | NDArray[Any],
+    document_splits: Sequence[int] | NDArray[np.integer[Any]],
+    first_costs: Sequence[int] | NDArray[np.integer[Any]],
+    step_costs: Sequence[int] | NDArray[np.integer[Any]],
+    budget: int,
+    max_length: int,
+    minimum_value: float,
+) -> tuple[list[tuple[int, int]], list[float]]:
+    """The segments of greatest total value whose costs fit ``budget``.
+
+    - ``values``: chunk values of the meta-document (see :func:`~.values.chunk_value`); a 2-D
+      array (one row per query) counts each chunk at its best row.
+    - ``document_splits``: strictly increasing chunk indices where a document ends.
+    - ``first_costs`` / ``step_costs``: non-negative integer costs per chunk (see the module
+      docstring); a segment ``[s, e)`` costs ``first_costs[s] + sum(step_costs[s + 1 : e])``.
+    - ``budget``: the most the chosen segments may cost together.
+    - ``max_length``: the longest segment, in chunks.
+    - ``minimum_value``: the least a segment must be worth.
+
+    A segment lies inside one document, starts and ends on a chunk of value >= 0 (as dsRAG's),
+    and is worth its values' sum. Chosen segments never touch inside a document (at least one
+    chunk between them), so no two return the same overlap text. Among all such choices that fit
+    the budget the result has the largest total value (float sums, exact up to rounding); ties
+    prefer the cheaper choice. Returns ``(segments, scores)``: ``(start, end)`` pairs (``end``
+    exclusive) in document order, and their values.
+    """
+    row, splits, first, step, budget, max_length = _checked(
+        values, document_splits, first_costs, step_costs, budget, max_length, minimum_value
+    )
+    n = row.shape[0]
+    if n == 0:
+        return [], []
+    starts, ends, worth, costs = _candidates(row, splits, first, step, budget, max_length)
+    keep = worth >= minimum_value
+    starts, ends, worth, costs = starts[keep], ends[keep], worth[keep], costs[keep]
+    if starts.shape[0] == 0:
+        return [], []
+    chosen = _knapsack(starts, ends, worth, costs, budget, set(splits) | {0})
+    picked = sorted(chosen, key=lambda c: int(starts[c]))
+    return (
+        [(int(starts[c]), int(ends[c])) for c in picked],
+        [float(worth[c]) for c in picked],
+    )
+
+
+def segment_cost(
+    start: int,
+    end: int,
+    first_costs: NDArray[np.integer[Any]],
+    step_costs: NDArray[np.integer[Any]],
+) -> int:
+    """What segment ``[start, end)`` costs: its first chunk's first cost plus the steps."""
+    return int(first_costs[start]) + int(np.sum(step_costs[start + 1 : end], dtype=np.int64))
+
+
+def fill_budget(
+    segments: Sequence[tuple[int, int]],
+    values: Sequence[float] | NDArray[Any],
+    document_splits: Sequence[int] | NDArray[np.integer[Any]],
+    first_costs: Sequence[int] | NDArray[np.integer[Any]],
+    step_costs: Sequence[int] | NDArray[np.integer[Any]],
+    budget: int,
+    candidates: Sequence[int],
+) -> list[tuple[int, int]]:
+    """Spend the budget ``segments`` leave on the ``candidates`` (chunk positions), best value
+    first (ties: the order given).
+
+    A candidate inside a segment is skipped; one next to a segment joins it (paying its step
+    cost, and joining two segments when it lies between them); any other starts a one-chunk
+    segment. A candidate that does not fit is skipped and the next one tried, so a short chunk
+    further down still fills a small remainder. Returns every segment, old and new, merged and
+    in document order; the total cost never exceeds ``budget``.
+    """
+    row, splits, first, step, budget, _ = _checked(
+        values, document_splits, first_costs, step_costs, budget, 1, 0.0
+    )
+    n = row.shape[0]
+    walls = np.zeros(n + 1, dtype=bool)  # walls[p]: p begins a document (or is the end)
+    walls[[0, *[s for s in splits if s <= n]]] = True
+    walls[n] = True
+    taken = np.zeros(n, dtype=bool)
+    for start, end in segments:
+        taken[start:end] = True
+    spent = _cost_of(taken, walls, first, step)
+    if spent > budget:
+        raise ValueError(f"the segments given cost {spent}, more than the budget {budget}")
+    order = sorted(range(len(candidates)), key=lambda i: (-row[candidates[i]], i))
+    for i in order:
+        p = int(candidates[i])
+        if not 0 <= p < n:
+            raise ValueError(f"candidate position {p} lies outside the {n} chunks")
+    # A chunk skipped for its cost may fit later, when a neighbour joined makes it a step.
+    changed = True
+    while changed:
+        changed = False
+        for i in order:
+            p = int(candidates[i])
+            if taken[p]:
+                continue
+            extra = _extra_cost(p, taken, walls, first, step)
+            if spent + extra <= budget:
+                taken[p] = True
+                spent += extra
+                changed = True
+    return _runs(taken, walls)
+
+
+# -- internals -------------------------------------------------------------------------------
+def _checked(
+    values: Sequence[float] | NDArray[Any],
+    document_splits: Sequence[int] | NDArray[np.integer[Any]],
+    first_costs: Sequence[int] | NDArray[np.integer[Any]],
+    step_costs: Sequence[int] | NDArray[np.integer[Any]],
+    budget: int,
+    max_length: int,
+    minimum_value: float,
+) -> tuple[FloatArray, list[int], IntArray, IntArray, int, int]:
+    array = np.asarray(values, dtype=np.float64)
+    row = array.max(axis=0) if array.ndim == 2 and array.shape[0] else array
+    if array.ndim == 2 and not array.shape[0]:
+        row = np.zeros(array.shape[1])
+    if row.ndim != 1:
+        raise ValueError(
+            f"values must be one row of chunk values (or rows), got shape {array.shape}"
+        )
+    if not np.isfinite(row).all():
+        raise ValueError("chunk values must be finite: give unretrieved chunks -penalty")
+    if minimum_value != minimum_value:
+        raise ValueError("minimum_value is NaN: pass a number, e.g. 0.5")
+    n = row.shape[0]
+    first = _cost_array(first_costs, n, "first_costs")
+    step = _cost_array(step_costs, n, "step_costs")
+    try:
+        budget = operator.index(budget)
+        max_length = operator.index(max_length)
+    except TypeError:
+        raise ValueError(
+            f"budget and max_length must be integers, got {budget!r} and {max_length!r}"
+        ) from None
+    if not 0 <= budget <= MAX_BUDGET:
+        raise ValueError(f"budget must lie in [0, {MAX_BUDGET:,}], got {budget}")
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    splits = [operator.index(s) for s in document_splits]
+    if any(b <= a for a, b in itertools.pairwise(splits)) or (
+        splits and (splits[0] < 0 or splits[-1] > n)
+    ):
+        raise ValueError(
+            f"document_splits must be strictly increasing chunk indices in [0, {n}], got "
+            f"{splits[:10]}"
+        )
+    return row, splits, first, step, budget, max_length
+
+
+def _cost_array(costs: Sequence[int] | NDArray[np.integer[Any]], n: int, name: str) -> IntArray:
+    array = np.asarray(costs)
+    if array.shape != (n,):
+        raise ValueError(f"{name} needs one cost per chunk ({n}), got shape {array.shape}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{name} must be integers (characters or tokens), got {array.dtype}")
+    array = array.astype(np.int64)
+    if array.size and int(array.min()) < 0:
+        raise ValueError(f"{name} must be >= 0, got {int(array.min())}")
+    return array
+
+
+def _candidates(
+    row: FloatArray,
+    splits: list[int],
+    first: IntArray,
+    step: IntArray,
+    budget: int,
+    max_length: int,
+) -> tuple[IntArray, IntArray, FloatArray, IntArray]:
+    """Every segment that could be in a best choice: inside one document, both ends >= 0,
+    within the budget, and worth more than every shorter segment from the same start (a longer
+    one worth no more covers more chunks for no less cost, so it is never needed)."""
+    n = row.shape[0]
+    length = min(max_length, n)
+    wall = np.zeros(n + length, dtype=bool)  # a segment may not reach a wall after its start
+    wall[[s for s in splits if s < n]] = True
+    wall[n:] = True
+    padded_values = np.concatenate([row, np.full(length, -1.0)])
+    padded_steps = np.concatenate([step, np.zeros(length, dtype=np.int64)])
+    usable = row >= 0
+    alive = usable & (first <= budget)
+    worth = np.where(alive, row, -np.inf)
+    cost = first.copy()
+    best = np.full(n, -np.inf)
+    found_starts, found_ends, found_worth, found_cost = [], [], [], []
+    for k in range(length):
+        if k:
+            alive &= ~wall[k : n + k]
+            worth = worth + padded_values[k : n + k]
+            cost = cost + padded_steps[k : n + k]
+            alive &= cost <= budget
+            if not alive.any():
+                break
+        ends_usable = padded_values[k : n + k] >= 0
+        hit = alive & ends_usable & (worth > best)
+        where = np.flatnonzero(hit)
+        if where.shape[0]:
+            found_starts.append(where)
+            found_ends.append(where + k + 1)
+            found_worth.append(worth[where])
+            found_cost.append(cost[where])
+            best[where] = worth[where]
+    if not found_starts:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, np.zeros(0), empty
+    return (
+        np.concatenate(found_starts),
+        np.concatenate(found_ends),
+        np.concatenate(found_worth),
+        np.concatenate(found_cost),
+    )
+
+
+def _knapsack(
+    starts: IntArray,
+    ends: IntArray,
+    worth: FloatArray,
+    costs: IntArray,
+    budget: int,
+    document_starts: set[int],
+) -> list[int]:
+    """Indices of the candidates in a best non-touching choice within ``budget``.
+
+    ``state`` after an end position ``p`` holds, per budget ``b``, the best value of segments
+    ending at or before ``p`` costing at most ``b``. A segment ``[s, e)`` extends the state
+    after ``s - 1`` (after ``s`` when ``s`` begins a document), so chosen segments never touch.
+    States are kept only while a later candidate can still read them; for the way back, each
+    end position keeps which candidate won each budget.
+    """
+    cells = budget + 1
+    order = np.lexsort((starts, ends))
+    starts, ends, worth, costs = starts[order], ends[order], worth[order], costs[order]
+    reach = int((ends - starts).max()) + 1
+    state_ends: list[int] = []  # end positions with a state, increasing
+    states: dict[int, FloatArray] = {}
+    owners: dict[int, NDArray[np.int32]] = {}
+    zeros = np.zeros(cells)
+    current = zeros
+    bounds = np.flatnonzero(np.diff(ends)) + 1
+    for lo, hi in zip([0, *bounds], [*bounds, ends.shape[0]], strict=True):
+        end = int(ends[lo])
+        best = current.copy()
+        owner = np.full(cells, -1, dtype=np.int32)
+        for c in range(lo, hi):
+            start, cost = int(starts[c]), int(costs[c])
+            before = start if start in document_starts else start - 1
+            j = bisect.bisect_right(state_ends, before) - 1
+            base = states[state_ends[j]] if j >= 0 else zeros
+            offer = base[: cells - cost] + worth[c]
+            better = offer > best[cost:]
+            if better.any():
+                np.copyto(best[cost:], offer, where=better)
+                owner[cost:][better] = order[c]
+        if (owner >= 0).any():
+            owners[end] = owner
+        current = best
+        states[end] = best
+        state_ends.append(end)
+        # A later candidate reads a state at least `reach` positions before its end; keep the
+        # newest state older than that too (it stands for every position after it).
+        while len(state_ends) > 1 and state_ends[1] < end - reach:
+            del states[state_ends.pop(0)]
+    # The way back: the cheapest budget reaching the best value, then each end's winner.
+    top = float(current.max())
+    if top <= 0:
+        return []
+    b = int(np.flatnonzero(current >= top)[0])
+    position_of = {int(order[c]): c for c in range(order.shape[0])}
+    chosen: list[int] = []
+    owner_ends = sorted(owners)
+    k = len(owner_ends) - 1
+    limit = owner_ends[-1] if owner_ends else -1
+    while k >= 0 and b >= 0:
+        end = owner_ends[k]
+        if end > limit:
+            k -= 1
+            continue
+        winner = int(owners[end][b])
+        if winner < 0:
+            k -= 1
+            continue
+        c = position_of[winner]
+        chosen.append(winner)
+        b -= int(costs[c])
+        start = int(starts[c])
+        limit = start if start in document_starts else start - 1
+        k -= 1
+    return chosen
+
+
+def _extra_cost(
+    p: int, taken: NDArray[np.bool_], walls: NDArray[np.bool_], first: IntArray, step: IntArray
+) -> int:
+    """What taking chunk ``p`` adds to the cost of the runs of ``taken``."""
+    n = taken.shape[0]
+    joins_left = p > 0 and bool(taken[p - 1]) and not walls[p]
+    joins_right = p + 1 < n and bool(taken[p + 1]) and not walls[p + 1]
+    extra = int(step[p]) if joins_left else int(first[p])
+    if joins_right:  # the right segment's first chunk becomes a step
+        extra += int(step[p + 1]) - int(first[p + 1])
+    return extra
+
+
+def _cost_of(
+    taken: NDArray[np.bool_], walls: NDArray[np.bool_], first: IntArray, step: IntArray
+) -> int:
+    """Cost of the runs of ``taken`` chunks (a run breaks at a document start)."""
+    n = taken.shape[0]
+    begins = taken & (walls[:n] | ~np.concatenate([[False], taken[:-1]]))
+    return int(first[begins].sum() + step[taken & ~begins].sum())
+
+
+def _runs(taken: NDArray[np.bool_], walls: NDArray[np.bool_]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    start = None
+    for p in range(taken.shape[0] + 1):
+        inside = p < taken.shape[0] and bool(taken[p])
+        if start is not None and (not inside or walls[p]):
+            runs.append((start, p))
+            start = None
+        if inside and start is None:
+            start = p
+    return runs

@@ -1,0 +1,174 @@
+"""The budgeted segment search against a brute force, and the fill's promises."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from llama_index.packs.self_rag_rse.rse.budget import (
+    _extra_cost,
+    fill_budget,
+    find_budgeted_segments,
+    segment_cost,
+)
+
+
+def brute_force(values, splits, first, step, budget, max_length, minimum_value):
+    """Best total value over every set of non-touching legal segments, by enumeration."""
+    n = len(values)
+    starts_of_documents = {0, *splits}
+    legal = []
+    for s in range(n):
+        for e in range(s + 1, min(n, s + max_length) + 1):
+            if any(p in starts_of_documents for p in range(s + 1, e)):
+                break
+            if values[s] < 0 or values[e - 1] < 0:
+                continue
+            worth = sum(values[s:e])
+            if worth >= minimum_value:
+                legal.append((s, e, worth, segment_cost(s, e, first, step)))
+    best = 0.0
+    for size in range(1, 5):
+        for combo in itertools.combinations(legal, size):
+            spans = sorted(combo)
+            if any(b[0] <= a[1] - 1 for a, b in itertools.pairwise(spans)):
+                continue  # overlapping
+            if any(
+                b[0] == a[1] and b[0] not in starts_of_documents
+                for a, b in itertools.pairwise(spans)
+            ):
+                continue  # touching inside a document
+            if sum(c[3] for c in spans) <= budget:
+                best = max(best, sum(c[2] for c in spans))
+    return best
+
+
+def random_case(rng):
+    n = int(rng.integers(1, 9))
+    values = np.round(rng.normal(0.1, 0.5, n), 2)
+    first = rng.integers(1, 30, n)
+    step = np.maximum(0, first - rng.integers(0, 8, n))
+    cuts = sorted(set(int(x) for x in rng.integers(1, n + 1, int(rng.integers(0, 3)))))
+    splits = [*[c for c in cuts if c < n], n]
+    budget = int(rng.integers(0, 80))
+    return (
+        values,
+        splits,
+        first,
+        step,
+        budget,
+        int(rng.integers(1, 5)),
+        float(rng.choice([0.0, 0.3, 0.6])),
+    )
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    values, splits, first, step, budget, max_length, minimum = random_case(rng)
+    segments, scores = find_budgeted_segments(
+        values, splits, first, step, budget, max_length, minimum
+    )
+    expected = brute_force(values, splits, first, step, budget, max_length, minimum)
+    assert sum(scores) == pytest.approx(expected, abs=1e-9)
+    # What came back is itself legal: fits, non-touching, each segment worth its score.
+    assert sum(segment_cost(s, e, first, step) for s, e in segments) <= budget
+    for (s, e), score in zip(segments, scores, strict=True):
+        assert score == pytest.approx(float(np.sum(values[s:e])))
+        assert score >= minimum and e - s <= max_length
+        assert values[s] >= 0 and values[e - 1] >= 0
+        assert not any(p in splits for p in range(s + 1, e))
+    for (_, e1), (s2, _) in itertools.pairwise(segments):
+        assert s2 > e1 or s2 in splits
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_fill_never_exceeds_and_never_duplicates(seed):
+    """Property: random lengths and overlaps; the filled runs never cost more than the budget,
+    never overlap, and every candidate that fits on its own is in."""
+    rng = np.random.default_rng(1000 + seed)
+    n = int(rng.integers(1, 30))
+    values = rng.normal(0.0, 0.5, n)
+    lengths = rng.integers(20, 400, n)
+    overlaps = np.minimum(lengths, rng.integers(0, 60, n))
+    header = int(rng.integers(0, 50))
+    first = lengths + header
+    step = lengths - overlaps
+    splits = sorted({*map(int, rng.integers(1, n + 1, 2)), n})
+    budget = int(rng.integers(0, 3000))
+    segments, _ = find_budgeted_segments(values, splits, first, step, budget, 5, 0.4)
+    candidates = [int(p) for p in rng.permutation(n)[: int(rng.integers(0, n + 1))]]
+    runs = fill_budget(segments, values, splits, first, step, budget, candidates)
+    covered = [p for s, e in runs for p in range(s, e)]
+    assert len(covered) == len(set(covered))  # no chunk (and so no overlap text) twice
+    assert sum(segment_cost(s, e, first, step) for s, e in runs) <= budget
+    for s, e in segments:  # the phase-1 segments are kept
+        assert any(rs <= s and e <= re for rs, re in runs)
+    spent = sum(segment_cost(s, e, first, step) for s, e in runs)
+    taken = np.zeros(n, dtype=bool)
+    taken[covered] = True
+    walls = np.zeros(n + 1, dtype=bool)
+    walls[[0, *splits]] = True
+    for p in candidates:  # a candidate left out does not fit even now
+        if not taken[p]:
+            assert _extra_cost(p, taken, walls, first, step) > budget - spent
+
+
+def test_fill_joins_neighbours_and_bridges():
+    values = np.array([0.9, -0.2, 0.8, 0.1, -0.2])
+    first = np.array([110, 110, 110, 110, 110])
+    step = np.array([100, 100, 100, 100, 100])
+    # Segment [0, 1) chosen; chunk 2 and 3 are candidates; 1 bridges 0 and 2.
+    runs = fill_budget([(0, 1)], values, [5], first, step, 310, [1, 2, 3])
+    # 2 first (best value): a new segment, 110; then 3 joins it (100): 320 > 310, so it is
+    # skipped; 1 bridges: 100 + (100 - 110) = 90 -> total 110 + 110 + 90 = 310.
+    assert runs == [(0, 3)]
+
+
+def test_a_strong_isolated_hit_is_a_one_chunk_segment():
+    values = np.array([0.3, -0.18, -0.18, 0.9])
+    segments, scores = find_budgeted_segments(values, [4], [100] * 4, [90] * 4, 150, 15, 0.5)
+    assert segments == [(3, 4)] and scores == [pytest.approx(0.9)]
+
+
+def test_ties_prefer_the_cheaper_choice():
+    values = np.array([0.6, -1.0, 0.6])
+    segments, _ = find_budgeted_segments(values, [3], [300, 1, 100], [0, 0, 0], 1000, 1, 0.5)
+    # Both alone and together fit; together is worth more.
+    assert segments == [(0, 1), (2, 3)]
+    segments, _ = find_budgeted_segments(values, [3], [300, 1, 100], [0, 0, 0], 299, 1, 0.5)
+    assert segments == [(2, 3)]
+
+
+def test_nothing_fits():
+    assert find_budgeted_segments([1.0, 1.0], [2], [50, 50], [40, 40], 10, 3, 0.1) == ([], [])
+    assert find_budgeted_segments([], [], [], [], 10, 3, 0.1) == ([], [])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"first_costs": [1.5, 2.0]}, "integers"),
+        ({"step_costs": [1, -1]}, ">= 0"),
+        ({"first_costs": [1]}, "one cost per chunk"),
+        ({"budget": -1}, "budget must lie"),
+        ({"max_length": 0}, "max_length"),
+        ({"values": [0.1, float("nan")]}, "finite"),
+        ({"document_splits": [2, 1]}, "strictly increasing"),
+    ],
+)
+def test_bad_input_is_named(kwargs, message):
+    arguments = {
+        "values": [0.5, 0.5],
+        "document_splits": [2],
+        "first_costs": [10, 10],
+        "step_costs": [8, 8],
+        "budget": 100,
+        "max_length": 3,
+        "minimum_value": 0.1,
+    }
+    arguments.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        find_budgeted_segments(**arguments)

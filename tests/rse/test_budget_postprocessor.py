@@ -1,0 +1,188 @@
+"""RelevantSegmentPostprocessor under a context budget (max_context_chars / max_context_tokens)."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
+
+from llama_index.packs.self_rag_rse import ChunkIndexer, RelevantSegmentPostprocessor
+from llama_index.packs.self_rag_rse.context.keys import DOCUMENT_TITLE_KEY, SECTION_PATH_KEY
+
+QUERY = 'The "while" statement: loop while an expression is true, else clause, break, continue'
+
+
+def llm_chars(result: list[NodeWithScore]) -> int:
+    return sum(len(item.node.get_content(metadata_mode=MetadataMode.LLM)) for item in result)
+
+
+def assert_no_text_twice(result: list[NodeWithScore]) -> None:
+    """No two returned nodes cover the same characters of a document."""
+    spans = sorted(
+        (item.node.metadata["segment_document_id"], *item.node.metadata["segment_char_range"])
+        for item in result
+        if item.node.metadata.get("segment_char_range") is not None
+    )
+    for (doc_a, _, end_a), (doc_b, start_b, _) in itertools.pairwise(spans):
+        assert doc_a != doc_b or start_b >= end_a, spans
+
+
+def same_but_whitespace(a: str, b: str) -> bool:
+    return len(a) == len(b) and all(
+        x == y or (x.isspace() and y.isspace()) for x, y in zip(a, b, strict=True)
+    )
+
+
+_WORDS = ["alpha", "beta", "end.", "x", "while", "Über", "日本語", "\t", "  "]
+_SEPARATORS = [" ", " ", "\n", "\n\n", "  ", ". "]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    words=st.lists(
+        st.tuples(st.sampled_from(_WORDS), st.sampled_from(_SEPARATORS)), min_size=3, max_size=200
+    ),
+    chunk_size=st.sampled_from([16, 24, 40]),
+    overlap=st.sampled_from([0, 2, 5]),
+    headers=st.booleans(),
+    picks=st.lists(st.tuples(st.integers(0, 10**6), st.floats(-0.3, 1.0)), max_size=12),
+    budget=st.integers(1, 1500),
+    tokens=st.booleans(),
+)
+def test_budget_is_never_exceeded_and_text_is_never_repeated(
+    words, chunk_size, overlap, headers, picks, budget, tokens
+):
+    """Property: random texts, chunk lengths and overlaps, optional headers: the LLM text of
+    what comes back fits the budget, is the source text, and covers no character twice."""
+    from llama_index.core import Document
+    from llama_index.core.node_parser import SentenceSplitter
+    from llama_index.core.storage.docstore import SimpleDocumentStore
+
+    text = "".join(w + sep for w, sep in words)
+    splitter = SentenceSplitter(chunk_size=chunk_size, chunk_overlap=overlap)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "metadata length close to chunk size"
+        nodes = splitter.get_nodes_from_documents([Document(text=text, id_="doc")])
+    if not nodes:
+        return
+    ChunkIndexer()(nodes)
+    if headers:
+        for i, node in enumerate(nodes):
+            node.metadata[DOCUMENT_TITLE_KEY] = "A title"
+            node.metadata[SECTION_PATH_KEY] = ["Part", f"Section {i // 3}"]
+            node.excluded_llm_metadata_keys = [DOCUMENT_TITLE_KEY, SECTION_PATH_KEY]
+    docstore = SimpleDocumentStore()
+    docstore.add_documents(nodes)
+    hits = {nodes[i % len(nodes)].node_id: (nodes[i % len(nodes)], s) for i, s in picks}
+    scored = [NodeWithScore(node=n, score=s) for n, s in hits.values()]
+    limit = {"max_context_tokens": budget // 4 + 1} if tokens else {"max_context_chars": budget}
+    rse = RelevantSegmentPostprocessor(docstore=docstore, calibration="raw", **limit)
+    result = rse.postprocess_nodes(scored)
+    if tokens:
+        counted = sum(
+            -(-len(item.node.get_content(metadata_mode=MetadataMode.LLM)) // 4) for item in result
+        )
+        assert counted <= budget // 4 + 1
+    else:
+        assert llm_chars(result) <= budget
+    assert_no_text_twice(result)
+    for item in result:
+        char_range = item.node.metadata["segment_char_range"]
+        if char_range is not None:
+            start, end = char_range
+            assert same_but_whitespace(item.node.get_content(), text[start:end])
+
+
+@pytest.mark.parametrize("budget", [600, 1500, 3000, 6000])
+def test_budget_on_the_real_corpus_fills_like_top_k(indexed, budget):
+    """On real chunks, MiniLM hits and Qdrant reads: the budget holds, and RSE returns at least
+    the characters top-k would put in the same budget (less one chunk, which may not fit)."""
+    hits = indexed.as_retriever(similarity_top_k=20).retrieve(QUERY)
+    rse = RelevantSegmentPostprocessor(index=indexed, max_context_chars=budget)
+    result = rse.postprocess_nodes(hits)
+    returned = llm_chars(result)
+    assert returned <= budget
+    assert_no_text_twice(result)
+    longest = max(len(h.node.get_content()) for h in hits)
+    assert returned >= budget - 2 * longest
+    # The best hit is in: its text lies inside one of the segments.
+    best = max(hits, key=lambda h: h.score).node.get_content()
+    assert any(best in item.node.get_content() for item in result)
+
+
+def test_a_budget_fills_where_minimum_value_would_return_nothing(doc_nodes, docstore_with):
+    """Two weak isolated hits: dsRAG's rule returns nothing; a budget returns both."""
+    nodes = doc_nodes("d", 30, text_len=100)
+    store = docstore_with(nodes)
+    hits = [NodeWithScore(node=nodes[3], score=0.3), NodeWithScore(node=nodes[20], score=0.25)]
+    assert (
+        RelevantSegmentPostprocessor(docstore=store, calibration="raw").postprocess_nodes(hits)
+        == []
+    )
+    rse = RelevantSegmentPostprocessor(docstore=store, calibration="raw", max_context_chars=250)
+    result = rse.postprocess_nodes(hits)
+    assert [item.node.get_content() for item in result] == [
+        nodes[3].get_content(),
+        nodes[20].get_content(),
+    ]
+
+
+def test_a_budget_smaller_than_any_hit_explains_itself(doc_nodes, docstore_with):
+    nodes = doc_nodes("d", 5, text_len=100)
+    rse = RelevantSegmentPostprocessor(docstore=docstore_with(nodes), max_context_chars=50)
+    extraction = rse.extract([NodeWithScore(node=nodes[2], score=0.9)])
+    assert extraction.segments == []
+    assert "no hit fits the context budget (max_context_chars=50)" in (extraction.note or "")
+    assert "100 characters" in (extraction.note or "")
+
+
+def test_a_tokenizer_counts_the_budget(doc_nodes, docstore_with):
+    nodes = doc_nodes("d", 10, text_len=100)
+    words = [n.model_copy() for n in nodes]
+    for i, node in enumerate(words):
+        node.set_content(" ".join(["w"] * 50))  # 99 characters, 50 words
+        node.start_char_idx, node.end_char_idx = i * 99, (i + 1) * 99
+    store = docstore_with(words)
+    hits = [NodeWithScore(node=words[i], score=1.0 - i / 20) for i in range(10)]
+
+    def by_words(text: str) -> list[str]:
+        return text.split()
+
+    rse = RelevantSegmentPostprocessor(
+        docstore=store, calibration="raw", max_context_tokens=160, tokenizer=by_words
+    )
+    result = rse.postprocess_nodes(hits)
+    used = sum(
+        len(by_words(item.node.get_content(metadata_mode=MetadataMode.LLM))) for item in result
+    )
+    assert 100 <= used <= 160
+
+
+def test_unplaced_nodes_fit_the_budget_or_are_left_out_visibly(doc_nodes, docstore_with):
+    loose = [TextNode(text="x" * 80, id_=f"loose-{i}") for i in range(3)]
+    scored = [NodeWithScore(node=n, score=0.5) for n in loose]
+    rse = RelevantSegmentPostprocessor(max_context_chars=200)
+    with pytest.warns(UserWarning, match="no source document"):
+        extraction = rse.extract(scored)
+    assert [n.node.node_id for n in extraction.passthrough] == ["loose-0", "loose-1"]
+    assert [n.node.node_id for n in extraction.left_out] == ["loose-2"]
+    assert "left out" in extraction.describe()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_context_chars": 0}, "max_context_chars must be a positive integer"),
+        ({"max_context_tokens": -5}, "max_context_tokens must be a positive integer"),
+        ({"max_context_chars": 10**9}, "at most"),
+        ({"max_context_chars": 3000, "output": "chunks"}, "needs output='segments'"),
+        ({"max_context_tokens": 300, "tokenizer": 5}, "tokenizer must be a callable"),
+    ],
+)
+def test_bad_budgets_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RelevantSegmentPostprocessor(**kwargs)

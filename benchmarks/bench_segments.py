@@ -12,6 +12,10 @@ five documents and three queries, find_all preset, in two value regimes:
 
 The script checks that the two return identical segments and scores, prints the best-of-N time
 of each and the speed-up measured in the same run, then times ours alone on a million chunks.
+Last, the budgeted search (``find_budgeted_segments`` + ``fill_budget``, what
+``max_context_chars`` runs) on the same values with chunk lengths of 300-1,400 characters and
+60 characters of overlap, against dsRAG's unbudgeted time on that meta-document: a different
+problem (a knapsack over characters, not a chunk count), timed in the same run.
 
 Run: python benchmarks/bench_segments.py [--repeats 5]
 Needs dsRAG's rse.py: pip install --no-deps dsrag==0.5.6
@@ -30,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from llama_index.packs.self_rag_rse.rse.budget import fill_budget, find_budgeted_segments
 from llama_index.packs.self_rag_rse.rse.segments import find_best_segments
 from llama_index.packs.self_rag_rse.rse.values import (
     RSEPreset,
@@ -144,11 +149,63 @@ def main() -> None:
                 row + f"{theirs_ms:>9.1f}  {ours_ms:>8.2f}  {theirs_ms / ours_ms:>7.0f}x  "
                 f"{array_ms:>11.2f} ms"
             )
+    budgeted(dsrag, rng, preset, knobs, args.repeats)
     print(
         "\nnon-neg: non-negative chunks per query. 'ours ms' and the speed-up take the same Python"
         "\nlists as dsRAG; 'ours, array in' takes the float64 array. Outputs were identical to"
         "\ndsRAG's on every compared row."
     )
+
+
+def budgeted(
+    dsrag: ModuleType,
+    rng: np.random.Generator,
+    preset: RSEPreset,
+    knobs: tuple[int, int, float],
+    repeats: int,
+) -> None:
+    """The budgeted search, timed against dsRAG's unbudgeted search on the same values."""
+    print("\nbudgeted search (max_context_chars), same presets and values:")
+    header = (
+        f"{'regime':>9}  {'chunks':>7}  {'budget':>6}  {'dsRAG ms':>9}  {'budgeted ms':>11}  "
+        f"{'ratio':>6}  {'segments':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for regime in ("retrieved", "dense"):
+        for n_chunks in (5_000, 20_000):
+            values, splits = meta_document(regime, n_chunks, preset, rng)
+            lengths = rng.integers(300, 1400, n_chunks)
+            first, step = lengths, lengths - 60
+            rows = values.tolist() if sys.version_info < (3, 12) else [list(r) for r in values]
+            theirs_ms, _ = best_ms(
+                lambda rows=rows, splits=splits: dsrag.get_best_segments(rows, splits, *knobs),
+                max(1, repeats // 2),
+            )
+            best = values.max(axis=0)
+            retrieved = best > -preset.irrelevant_chunk_penalty
+            hits = [int(p) for p in np.argsort(-best, kind="stable") if retrieved[p]]
+            for budget in (1_500, 6_000):
+
+                def search(
+                    values=values,
+                    splits=splits,
+                    first=first,
+                    step=step,
+                    budget=budget,
+                    best=best,
+                    hits=hits,
+                ):
+                    spans, _ = find_budgeted_segments(
+                        values, splits, first, step, budget, knobs[0], knobs[2]
+                    )
+                    return fill_budget(spans, best, splits, first, step, budget, hits)
+
+                ours_ms, runs = best_ms(search, repeats)
+                print(
+                    f"{regime:>9}  {n_chunks:>7,}  {budget:>6,}  {theirs_ms:>9.1f}  "
+                    f"{ours_ms:>11.2f}  {theirs_ms / ours_ms:>5.1f}x  {len(runs):>8}"
+                )
 
 
 if __name__ == "__main__":

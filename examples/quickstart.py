@@ -68,6 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--storage", type=Path, default=Path("storage"), help="local-mode folder")
     parser.add_argument("--no-rse", action="store_true", help="feed raw chunks to the critic")
     parser.add_argument("--top-k", type=int, default=8, help="chunks retrieved")
+    parser.add_argument(
+        "--context-chars",
+        type=int,
+        default=None,
+        help="a context budget for RSE: the segments and hits it returns fit this many "
+        "characters, headers included (default: the preset's chunk counts)",
+    )
     parser.add_argument("--ndocs", type=int, default=3, help="paragraphs judged")
     parser.add_argument("--small", action="store_true", help="index one chapter only (fast check)")
     parser.add_argument("--corrective", action="store_true", help="turn on the corrective loop")
@@ -303,12 +310,18 @@ def main(argv: list[str] | None = None) -> int:
         model_name = model_path.name
     # Segments of at most 6 chunks (~800 tokens) keep the small default model's prompts short;
     # with a 7B model, drop these two limits and use the preset's 15 / 30.
+    # With --context-chars, RSE sizes its answer to that budget instead of to chunk counts.
+    budget = (
+        {"max_context_chars": args.context_chars}
+        if args.context_chars
+        else {"overall_max_length": 12}
+    )
     postprocessors = (
         []
         if args.no_rse
         else [
             RelevantSegmentPostprocessor(
-                vector_store=store, preset="balanced", max_length=6, overall_max_length=12
+                vector_store=store, preset="balanced", max_length=6, **budget
             )
         ]
     )

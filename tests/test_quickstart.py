@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -49,3 +50,14 @@ def test_quickstart_rejects_a_missing_folder(quickstart, tmp_path):
             quickstart.ingest(args, client, store, embed=None)
         finally:
             client.close()
+
+
+def test_quickstart_context_budget(quickstart, tmp_path, capsys):
+    """--context-chars sizes RSE's output: the segments shown fit the budget together."""
+    code = quickstart.main(
+        ["--small", "--storage", str(tmp_path), "--ndocs", "2", "--context-chars", "900"]
+    )
+    assert code == 0
+    out = capsys.readouterr().out.split("Source segments", 1)[1]
+    sizes = [int(m) for m in re.findall(r"^  \[(?:.*?, )?(\d+) chars, score", out, re.MULTILINE)]
+    assert sizes and sum(sizes) <= 900

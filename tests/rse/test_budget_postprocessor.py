@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
+from text_strategies import SEPARATORS, WORDS, same_but_whitespace
 
 from llama_index.packs.self_rag_rse import ChunkIndexer, RelevantSegmentPostprocessor
 from llama_index.packs.self_rag_rse.context.keys import DOCUMENT_TITLE_KEY, SECTION_PATH_KEY
@@ -31,20 +32,10 @@ def assert_no_text_twice(result: list[NodeWithScore]) -> None:
         assert doc_a != doc_b or start_b >= end_a, spans
 
 
-def same_but_whitespace(a: str, b: str) -> bool:
-    return len(a) == len(b) and all(
-        x == y or (x.isspace() and y.isspace()) for x, y in zip(a, b, strict=True)
-    )
-
-
-_WORDS = ["alpha", "beta", "end.", "x", "while", "Über", "日本語", "\t", "  "]
-_SEPARATORS = [" ", " ", "\n", "\n\n", "  ", ". "]
-
-
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     words=st.lists(
-        st.tuples(st.sampled_from(_WORDS), st.sampled_from(_SEPARATORS)), min_size=3, max_size=200
+        st.tuples(st.sampled_from(WORDS), st.sampled_from(SEPARATORS)), min_size=3, max_size=200
     ),
     chunk_size=st.sampled_from([16, 24, 40]),
     overlap=st.sampled_from([0, 2, 5]),
@@ -186,3 +177,30 @@ def test_unplaced_nodes_fit_the_budget_or_are_left_out_visibly(doc_nodes, docsto
 def test_bad_budgets_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RelevantSegmentPostprocessor(**kwargs)
+
+
+def test_offsets_cost_a_segment_exactly_before_its_gap_is_read(doc_nodes, docstore_with):
+    """Hits 0 and 3, chunks 1 and 2 unread: the segment's cost comes from the hits' offsets, so
+    a budget of exactly its length takes it whole in one search (one read, no second round)."""
+    nodes = doc_nodes("d", 8, text_len=100)
+    store = docstore_with(nodes)
+    # Each hit alone is worth less than minimum_value 0.5; bridged, they are worth more.
+    hits = [NodeWithScore(node=nodes[0], score=0.4), NodeWithScore(node=nodes[3], score=0.36)]
+    knobs = {"calibration": "raw", "irrelevant_chunk_penalty": 0.05}
+    rse = RelevantSegmentPostprocessor(docstore=store, max_context_chars=400, **knobs)
+    extraction = rse.extract(hits)
+    assert [(s.start, s.end) for s in extraction.segments] == [(0, 4)]
+    assert extraction.store_calls == 2  # the document's record, then the gap by id
+    smaller = RelevantSegmentPostprocessor(docstore=store, max_context_chars=399, **knobs)
+    assert sorted((s.start, s.end) for s in smaller.extract(hits).segments) == [(0, 1), (3, 4)]
+
+
+def test_a_tokenizer_returning_a_mapping_is_named(doc_nodes, docstore_with):
+    nodes = doc_nodes("d", 3, text_len=100)
+    rse = RelevantSegmentPostprocessor(
+        docstore=docstore_with(nodes),
+        max_context_tokens=100,
+        tokenizer=lambda text: {"input_ids": text.split(), "attention_mask": []},
+    )
+    with pytest.raises(ValueError, match=r"pass tokenizer\.encode"):
+        rse.postprocess_nodes([NodeWithScore(node=nodes[0], score=0.5)])

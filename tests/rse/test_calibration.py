@@ -21,8 +21,8 @@ from llama_index.packs.self_rag_rse.rse.calibration import (
     calibrate,
     calibrate_beta,
     calibrate_cosine_adaptive,
-    calibrate_spread,
     calibrate_minmax,
+    calibrate_spread,
 )
 
 SHAPES = [

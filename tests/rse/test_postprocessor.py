@@ -17,6 +17,7 @@ from llama_index.core import VectorStoreIndex
 from llama_index.core.llms import MockLLM
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeRelationship, NodeWithScore, RelatedNodeInfo, TextNode
+from text_strategies import SEPARATORS, WORDS, same_but_whitespace
 
 from llama_index.packs.self_rag_rse import ChunkIndexer, RelevantSegmentPostprocessor
 from llama_index.packs.self_rag_rse.rse.types import Segment, SegmentExtraction
@@ -26,12 +27,6 @@ QUERY = 'The "while" statement: loop while an expression is true, else clause, b
 
 def source_text(doc_id: str) -> str:
     return (CORPUS / f"{doc_id}.txt").read_text()
-
-
-def same_but_whitespace(a: str, b: str) -> bool:
-    return len(a) == len(b) and all(
-        x == y or (x.isspace() and y.isspace()) for x, y in zip(a, b, strict=True)
-    )
 
 
 def assert_true_text(result: list[NodeWithScore], text: str) -> None:
@@ -622,14 +617,11 @@ def test_nothing_worth_minimum_value_is_explained(doc_nodes, docstore_with, capl
 
 # -- any text, any splitter setting: segments are the source text ----------------------------
 
-_WORDS = ["alpha", "beta", "end.", "x", "while", "Über", "日本語", "\t", "  "]
-_SEPARATORS = [" ", " ", "\n", "\n\n", "  ", ". "]
-
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     words=st.lists(
-        st.tuples(st.sampled_from(_WORDS), st.sampled_from(_SEPARATORS)), min_size=3, max_size=150
+        st.tuples(st.sampled_from(WORDS), st.sampled_from(SEPARATORS)), min_size=3, max_size=150
     ),
     chunk_size=st.sampled_from([16, 24, 40]),
     overlap=st.sampled_from([0, 2, 5]),

@@ -112,7 +112,8 @@ def fill_budget(
     cost, and joining two segments when it lies between them); any other starts a one-chunk
     segment. A candidate that does not fit is skipped and the next one tried, so a short chunk
     further down still fills a small remainder. Returns every segment, old and new, merged and
-    in document order; the total cost never exceeds ``budget``.
+    in document order; the total cost never exceeds ``budget``. A candidate skipped for its
+    cost is tried again as soon as a neighbour joins (it would then cost only its step).
     """
     row, splits, first, step, budget, _ = _checked(
         values, document_splits, first_costs, step_costs, budget, 1, 0.0
@@ -127,24 +128,34 @@ def fill_budget(
     spent = _cost_of(taken, walls, first, step)
     if spent > budget:
         raise ValueError(f"the segments given cost {spent}, more than the budget {budget}")
-    order = sorted(range(len(candidates)), key=lambda i: (-row[candidates[i]], i))
-    for i in order:
-        p = int(candidates[i])
+    positions = [int(p) for p in candidates]
+    for p in positions:
         if not 0 <= p < n:
             raise ValueError(f"candidate position {p} lies outside the {n} chunks")
-    # A chunk skipped for its cost may fit later, when a neighbour joined makes it a step.
-    changed = True
-    while changed:
-        changed = False
-        for i in order:
-            p = int(candidates[i])
+    order = sorted(range(len(positions)), key=lambda i: (-row[positions[i]], i))
+    wanted = np.zeros(n, dtype=bool)
+    wanted[positions] = True
+    # The least a candidate can add (joining both neighbours turns one first cost into a step).
+    bridge = np.minimum(0, np.concatenate([step[1:] - first[1:], [0]]))
+    cheapest = int((np.minimum(first, step) + bridge)[wanted].min()) if positions else 0
+    skipped: set[int] = set()
+    for i in order:
+        if budget - spent < cheapest:
+            break
+        retry = [positions[i]]
+        while retry:
+            p = retry.pop()
             if taken[p]:
                 continue
             extra = _extra_cost(p, taken, walls, first, step)
-            if spent + extra <= budget:
-                taken[p] = True
-                spent += extra
-                changed = True
+            if spent + extra > budget:
+                skipped.add(p)
+                continue
+            taken[p] = True
+            spent += extra
+            skipped.discard(p)
+            # A neighbour skipped for its cost may fit now that it would be a step.
+            retry.extend(q for q in (p - 1, p + 1) if q in skipped)
     return _runs(taken, walls)
 
 

@@ -124,7 +124,15 @@ def _step_without_offsets(before: BaseNode | None, node: BaseNode | None, typica
 
 def count_tokens(text: str, tokenizer: Callable[[str], Sequence[Any]] | None) -> int:
     """Tokens of ``text`` by ``tokenizer``, or by the character estimate without one."""
-    return len(tokenizer(text)) if tokenizer is not None else estimate_tokens(text)
+    if tokenizer is None:
+        return estimate_tokens(text)
+    tokens = tokenizer(text)
+    if isinstance(tokens, Mapping | str) or not hasattr(tokens, "__len__"):
+        raise ValueError(
+            f"tokenizer returned {type(tokens).__name__}, not a sequence of tokens (a Hugging "
+            "Face tokenizer called directly returns a mapping): pass tokenizer.encode"
+        )
+    return len(tokens)
 
 
 def node_cost(node: BaseNode, tokenizer: Callable[[str], Sequence[Any]] | None) -> tuple[int, int]:

@@ -459,9 +459,13 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         values = chunk_value(
             ranks, relevance, self._param("decay_rate"), self._param("irrelevant_chunk_penalty")
         )
+        lengths = np.array([len(item.node.get_content()) for item in unique], dtype=float)
         if self.chunk_length_adjustment:
-            lengths = np.array([len(item.node.get_content()) for item in unique], dtype=float)
             values = adjust_for_length(values, lengths)
+        if self.budgeted and lengths.size and lengths.mean() > 0:
+            # A budget is spent in characters: a hit's worth scales with the text it brings, so
+            # the knapsack does not trade one long strong hit for two short weaker ones.
+            values = np.where(values > 0, values * lengths / lengths.mean(), values)
         hits, passthrough = [], []
         for rank, (item, value) in enumerate(zip(unique, values, strict=True)):
             if item.node.ref_doc_id is None:

@@ -204,3 +204,26 @@ def test_a_tokenizer_returning_a_mapping_is_named(doc_nodes, docstore_with):
     )
     with pytest.raises(ValueError, match=r"pass tokenizer\.encode"):
         rse.postprocess_nodes([NodeWithScore(node=nodes[0], score=0.5)])
+
+
+def test_without_a_budget_the_search_is_dsrags(indexed):
+    """No budget: the segments are exactly dsRAG 0.5.6's get_best_segments on the values the
+    postprocessor laid out (the budget is a mode on top, not a change of the default)."""
+    import importlib.metadata
+    import importlib.util
+
+    path = importlib.metadata.distribution("dsrag").locate_file("dsrag/rse.py")
+    spec = importlib.util.spec_from_file_location("dsrag_rse_budget_oracle", str(path))
+    assert spec is not None and spec.loader is not None
+    dsrag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dsrag)
+    hits = indexed.as_retriever(similarity_top_k=20).retrieve(QUERY)
+    rse = RelevantSegmentPostprocessor(index=indexed)
+    extraction = rse.extract(hits)
+    assert extraction.segments
+    spans, scores = dsrag.get_best_segments(
+        [list(extraction.values)], extraction.document_splits, 15, 30, 0.5
+    )
+    ours = sorted(extraction.offsets(s) for s in extraction.segments)
+    assert ours == sorted(spans)
+    assert sorted(s.value for s in extraction.segments) == pytest.approx(sorted(scores))

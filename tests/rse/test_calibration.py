@@ -191,16 +191,17 @@ def test_cosine_adaptive_keeps_the_order_and_stays_in_range(scores: list[float])
 
 
 @given(
-    st.lists(st.floats(-1.0, 1.0), min_size=1, max_size=30),
+    st.lists(st.integers(-100, 100), min_size=1, max_size=30),
     st.floats(0.05, 5.0),
     st.floats(-1.0, 1.0),
 )
 def test_spread_ignores_the_embedders_scale_and_offset(
-    scores: list[float], scale: float, shift: float
+    hundredths: list[int], scale: float, shift: float
 ) -> None:
     """Best hit 1, median hit 0, in range, order kept; and a model scoring the same ranking on
-    another scale (compressed cosines, say) gets the same relevance."""
-    values = np.array(scores)
+    another scale (compressed cosines, say) gets the same relevance. (Scores on a grid of
+    hundredths: a scale or shift that rounds distinct scores together is another ranking.)"""
+    values = np.array(hundredths) / 100
     out = calibrate_spread(values)
     assert np.all((out >= 0.0) & (out <= 1.0))
     order = np.argsort(values, kind="stable")

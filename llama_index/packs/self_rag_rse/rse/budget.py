@@ -292,14 +292,16 @@ def _knapsack(
     reach = int((ends - starts).max()) + 1
     state_ends: list[int] = []  # end positions with a state, increasing
     states: dict[int, FloatArray] = {}
-    owners: dict[int, NDArray[np.int32]] = {}
+    # Per end: the first candidate of its group and, per budget, 1 + the winner's place in the
+    # group (0: none). A group holds one candidate per start, so a byte usually suffices.
+    owners: dict[int, tuple[int, NDArray[np.unsignedinteger[Any]]]] = {}
     zeros = np.zeros(cells)
     current = zeros
     bounds = np.flatnonzero(np.diff(ends)) + 1
     for lo, hi in zip([0, *bounds], [*bounds, ends.shape[0]], strict=True):
         end = int(ends[lo])
         best = current.copy()
-        owner = np.full(cells, -1, dtype=np.int32)
+        owner = np.zeros(cells, dtype=np.min_scalar_type(hi - lo))
         for c in range(lo, hi):
             start, cost = int(starts[c]), int(costs[c])
             before = start if start in document_starts else start - 1
@@ -309,9 +311,9 @@ def _knapsack(
             better = offer > best[cost:]
             if better.any():
                 np.copyto(best[cost:], offer, where=better)
-                owner[cost:][better] = order[c]
-        if (owner >= 0).any():
-            owners[end] = owner
+                owner[cost:][better] = c - lo + 1
+        if owner.any():
+            owners[end] = (lo, owner)
         current = best
         states[end] = best
         state_ends.append(end)
@@ -324,26 +326,21 @@ def _knapsack(
     if top <= 0:
         return []
     b = int(np.flatnonzero(current >= top)[0])
-    position_of = {int(order[c]): c for c in range(order.shape[0])}
     chosen: list[int] = []
     owner_ends = sorted(owners)
     k = len(owner_ends) - 1
     limit = owner_ends[-1] if owner_ends else -1
     while k >= 0 and b >= 0:
         end = owner_ends[k]
-        if end > limit:
-            k -= 1
+        k -= 1
+        first, owner = owners[end]
+        if end > limit or not owner[b]:
             continue
-        winner = int(owners[end][b])
-        if winner < 0:
-            k -= 1
-            continue
-        c = position_of[winner]
-        chosen.append(winner)
+        c = first + int(owner[b]) - 1
+        chosen.append(int(order[c]))
         b -= int(costs[c])
         start = int(starts[c])
         limit = start if start in document_starts else start - 1
-        k -= 1
     return chosen
 
 

@@ -227,3 +227,14 @@ def test_without_a_budget_the_search_is_dsrags(indexed):
     ours = sorted(extraction.offsets(s) for s in extraction.segments)
     assert ours == sorted(spans)
     assert sorted(s.value for s in extraction.segments) == pytest.approx(sorted(scores))
+
+
+def test_async_equals_sync_under_a_budget(indexed):
+    import asyncio
+
+    hits = indexed.as_retriever(similarity_top_k=20).retrieve(QUERY)
+    rse = RelevantSegmentPostprocessor(index=indexed, max_context_chars=2500)
+    sync = rse.postprocess_nodes(hits)
+    asynchronous = asyncio.run(rse.apostprocess_nodes(hits))
+    assert [n.node.get_content() for n in asynchronous] == [n.node.get_content() for n in sync]
+    assert llm_chars(asynchronous) <= 2500

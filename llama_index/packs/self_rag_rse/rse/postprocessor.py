@@ -14,7 +14,7 @@ import logging
 import math
 import warnings
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -540,7 +540,13 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
     ) -> list[tuple[int, int]]:
         """Segments worth most within the budget, then the best remaining hits that fit."""
         values, splits = laid_out.values, laid_out.document_splits
-        first, step = chunk_costs(laid_out.regions, layouts, self._overhead)
+
+        def overhead(node: BaseNode) -> int:
+            if node.node_id not in budget.overheads:
+                budget.overheads[node.node_id] = self._overhead(node)
+            return budget.overheads[node.node_id]
+
+        first, step = chunk_costs(laid_out.regions, layouts, overhead)
         spans, _ = find_budgeted_segments(
             values,
             splits,
@@ -697,6 +703,8 @@ class _Budget:
     ratio: float
     max_chars: int | None
     max_tokens: int | None
+    # Header characters per node id, computed once per call (each search round reuses them).
+    overheads: dict[str, int] = field(default_factory=dict, compare=False)
 
     def overrun(self, cost: tuple[int, int]) -> int:
         """By how many characters ``(characters, tokens)`` exceed the limits (<= 0: fits)."""
@@ -707,7 +715,9 @@ class _Budget:
         return over
 
     def shrunk(self, over: int) -> _Budget:
-        return _Budget(max(0, self.chars - over), self.ratio, self.max_chars, self.max_tokens)
+        return _Budget(
+            max(0, self.chars - over), self.ratio, self.max_chars, self.max_tokens, self.overheads
+        )
 
 
 @dataclass

@@ -11,8 +11,8 @@ knapsack over segments, solved by dynamic programming over positions and budget.
    the largest total value that fits the budget.
 2. :func:`fill_budget` (phase 2) spends what is left on the best remaining chunks by value,
    one at a time: a chunk next to a chosen segment extends it (its overlap is not paid twice),
-   any other becomes a one-chunk segment. A strong isolated hit therefore still comes back, and
-   the result is never emptier than top-k at the same budget.
+   any other becomes a one-chunk segment. A strong isolated hit that fits therefore still comes
+   back, and filling stops only when no remaining chunk fits.
 
 Costs are additive: chunk ``i`` costs ``first_costs[i]`` when it begins a segment (its text
 plus the segment's header) and ``step_costs[i]`` when it follows chunk ``i - 1`` (its text

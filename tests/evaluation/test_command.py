@@ -102,6 +102,7 @@ def test_help_lists_evaluate_and_keeps_the_other_commands(capsys):
         (["--engines", "top-k,best"], "--engines: unknown ['best']"),
         (["--metrics", "faithfulnes"], "--metrics: unknown ['faithfulnes']"),
         (["--workers", "0"], "--workers must be at least 1"),
+        (["--rse-context-chars", "0"], "--rse-context-chars must be at least 1"),
     ],
 )
 def test_bad_arguments_fail_fast_with_the_fix(inputs, capsys, extra, message):

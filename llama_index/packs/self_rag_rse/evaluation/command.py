@@ -253,6 +253,13 @@ def add_evaluate_parser(commands: Any) -> argparse.ArgumentParser:
         ("--context-window", 4096, "llama.cpp context (default 4096)"),
     ):
         knobs.add_argument(flag, type=int, default=default, help=text)
+    knobs.add_argument(
+        "--rse-context-chars",
+        type=int,
+        default=None,
+        help="a context budget for RSE in characters (max_context_chars; replaces "
+        "--rse-overall-max-length)",
+    )
     judging = parser.add_argument_group("judging")
     judging.add_argument(
         "--judge-max-tokens",
@@ -292,7 +299,15 @@ def run_evaluate(args: argparse.Namespace, argv: Sequence[str] | None = None) ->
             raise ValueError(f"--engines: unknown {unknown}; choose from {','.join(ENGINE_NAMES)}")
         if unknown := [m for m in args.metrics or () if m not in metrics]:
             raise ValueError(f"--metrics: unknown {unknown}; choose from {','.join(metrics)}")
-        for name in ("top_k", "ndocs", "max_new_tokens", "judge_max_tokens", "workers", "limit"):
+        for name in (
+            "top_k",
+            "ndocs",
+            "max_new_tokens",
+            "judge_max_tokens",
+            "workers",
+            "limit",
+            "rse_context_chars",
+        ):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if args.retries < 0:
@@ -361,7 +376,11 @@ def _run(
             )
             if judge_spec.bundled:
                 notes.insert(0, PLACEHOLDER_JUDGE)
-        rse = {"max_length": args.rse_max_length, "overall_max_length": args.rse_overall_max_length}
+        rse: dict[str, Any] = {"max_length": args.rse_max_length}
+        if args.rse_context_chars is None:
+            rse["overall_max_length"] = args.rse_overall_max_length
+        else:
+            rse["max_context_chars"] = args.rse_context_chars
         self_rag = dict(
             ndocs=args.ndocs, max_new_tokens=args.max_new_tokens, mode=args.self_rag_mode
         )

@@ -11,7 +11,10 @@ must mean the same thing from query to query and spread over [0, 1]. Raw scores 
   :func:`calibrate_minmax` from the similarity of an unrelated pair (``low``) to that of a clearly
   relevant one (``high``), measured on your own data. A fixed ``high`` saturates when a query's
   good hits all score above it (they all become relevance 1 and RSE sees only their ranks):
-  :func:`calibrate_cosine_adaptive`, the default, raises ``high`` to the query's best score.
+  :func:`calibrate_cosine_adaptive`, the default without a context budget, raises ``high`` to
+  the query's best score.
+- :func:`calibrate_spread`, the default under a context budget, needs no range at all: one
+  query's best hit is 1 and its median hit 0, whatever the embedder's scale.
 
 Other rerankers: look at a histogram of their scores on your data and pick a Beta whose CDF maps
 it close to uniform. :data:`CALIBRATIONS` names each calibration once; :func:`calibrate` applies a
@@ -38,6 +41,7 @@ __all__ = [
     "calibrate_beta",
     "calibrate_cosine_adaptive",
     "calibrate_minmax",
+    "calibrate_spread",
 ]
 
 FloatArray = NDArray[np.float64]
@@ -375,7 +379,7 @@ def node_relevance(
         name = repr(method) if isinstance(method, str) else getattr(method, "__name__", "callable")
         raise ValueError(
             f"calibration {name} left an infinite relevance (a node scored +-inf): RSE needs "
-            "finite values; use a calibration that clips, such as 'cosine_adaptive' (the "
-            "default) or 'cohere', or give the nodes finite scores"
+            "finite values; use a calibration that clips, such as 'cosine_adaptive' or "
+            "'spread' (the defaults) or 'cohere', or give the nodes finite scores"
         )
     return relevance

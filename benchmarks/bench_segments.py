@@ -87,6 +87,13 @@ def meta_document(
     return np.array(rows), splits
 
 
+def dsrag_rows(values: np.ndarray) -> list[list[Any]]:
+    """The values as dsRAG takes them. Plain floats are its fastest input, but from Python 3.12
+    the built-in sum() of plain floats is compensated while ours (and dsRAG's on numpy floats,
+    which its own pipeline produces) is left to right; there, give both numpy floats."""
+    return values.tolist() if sys.version_info < (3, 12) else [list(r) for r in values]
+
+
 def best_ms(function: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     """Best-of-``repeats`` wall time in ms (the least disturbed run) and the result."""
     times, result = [], None
@@ -130,10 +137,7 @@ def main() -> None:
             if n_chunks >= 100_000:  # dsRAG's brute force would take hours
                 print(row + f"{'-':>9}  {'-':>8}  {'-':>8}  {array_ms:>11.2f} ms")
                 continue
-            # Plain floats are dsRAG's fastest input, but from Python 3.12 the built-in sum() of
-            # plain floats is compensated while ours (and dsRAG's on numpy floats, which its own
-            # pipeline produces) is left to right; there, give both numpy floats.
-            rows = values.tolist() if sys.version_info < (3, 12) else [list(r) for r in values]
+            rows = dsrag_rows(values)
             theirs_ms, theirs = best_ms(
                 lambda rows=rows, splits=splits: dsrag.get_best_segments(rows, splits, *knobs),
                 max(1, args.repeats // 2),
@@ -177,7 +181,7 @@ def budgeted(
             values, splits = meta_document(regime, n_chunks, preset, rng)
             lengths = rng.integers(300, 1400, n_chunks)
             first, step = lengths, lengths - 60
-            rows = values.tolist() if sys.version_info < (3, 12) else [list(r) for r in values]
+            rows = dsrag_rows(values)
             theirs_ms, _ = best_ms(
                 lambda rows=rows, splits=splits: dsrag.get_best_segments(rows, splits, *knobs),
                 max(1, repeats // 2),

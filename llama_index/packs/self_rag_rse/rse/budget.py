@@ -23,13 +23,18 @@ numpy.
 from __future__ import annotations
 
 import bisect
-import itertools
 import operator
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
+
+from llama_index.packs.self_rag_rse.rse.segments import (
+    as_value_matrix,
+    checked_splits,
+    positive_int,
+)
 
 __all__ = ["fill_budget", "find_budgeted_segments", "segment_cost"]
 
@@ -170,39 +175,22 @@ def _checked(
     minimum_value: float,
 ) -> tuple[FloatArray, list[int], IntArray, IntArray, int, int]:
     array = np.asarray(values, dtype=np.float64)
-    row = array.max(axis=0) if array.ndim == 2 and array.shape[0] else array
-    if array.ndim == 2 and not array.shape[0]:
-        row = np.zeros(array.shape[1])
-    if row.ndim != 1:
-        raise ValueError(
-            f"values must be one row of chunk values (or rows), got shape {array.shape}"
-        )
-    if not np.isfinite(row).all():
-        raise ValueError("chunk values must be finite: give unretrieved chunks -penalty")
+    # The search's own checks: finite values of sane size, splits inside and increasing.
+    matrix = as_value_matrix(array[None, :] if array.ndim == 1 else array)
+    row = matrix.max(axis=0) if matrix.shape[0] else np.zeros(matrix.shape[1])
     if minimum_value != minimum_value:
         raise ValueError("minimum_value is NaN: pass a number, e.g. 0.5")
     n = row.shape[0]
     first = _cost_array(first_costs, n, "first_costs")
     step = _cost_array(step_costs, n, "step_costs")
+    max_length = positive_int(max_length, "max_length", "the longest segment in chunks")
     try:
         budget = operator.index(budget)
-        max_length = operator.index(max_length)
     except TypeError:
-        raise ValueError(
-            f"budget and max_length must be integers, got {budget!r} and {max_length!r}"
-        ) from None
+        raise ValueError(f"budget must be an integer, got {budget!r}") from None
     if not 0 <= budget <= MAX_BUDGET:
         raise ValueError(f"budget must lie in [0, {MAX_BUDGET:,}], got {budget}")
-    if max_length < 1:
-        raise ValueError(f"max_length must be >= 1, got {max_length}")
-    splits = [operator.index(s) for s in document_splits]
-    if any(b <= a for a, b in itertools.pairwise(splits)) or (
-        splits and (splits[0] < 0 or splits[-1] > n)
-    ):
-        raise ValueError(
-            f"document_splits must be strictly increasing chunk indices in [0, {n}], got "
-            f"{splits[:10]}"
-        )
+    splits = checked_splits(document_splits, n)
     return row, splits, first, step, budget, max_length
 
 

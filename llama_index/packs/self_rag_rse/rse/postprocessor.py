@@ -360,7 +360,7 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         if not hits:
             extraction = SegmentExtraction([], [], passthrough)
             if self.budgeted:
-                self._fit_passthrough(extraction, self._budget(hits))
+                self._fit_passthrough(extraction, self._budget(hits), (0, 0))
             return self._finish(extraction, nodes, hits)
         docs = self._select_documents(hits)
         layouts = yield from lay_out(
@@ -381,19 +381,21 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         segments, regions = yield from self._settle(docs, layouts, values_of, source, budget)
         if budget is not None:
             # Costs of chunks not at hand were estimates: check the nodes, shrink, search again.
+            costs = self._costs(segments)
             for _ in range(MAX_BUDGET_ROUNDS):
-                over = budget.overrun(self._cost(segments))
+                over = budget.overrun(_total(costs))
                 if over <= 0:
                     break
                 budget = budget.shrunk(over)
                 segments, regions = yield from self._settle(
                     docs, layouts, values_of, source, budget
                 )
-            segments = self._trim(segments, budget)
+                costs = self._costs(segments)
+            segments, spent = self._trim(segments, costs, budget)
         holes = [hole for doc_id in docs for hole in layouts[doc_id].holes]
         extraction = SegmentExtraction(regions, segments, passthrough, holes=holes)
         if budget is not None:
-            self._fit_passthrough(extraction, budget)
+            self._fit_passthrough(extraction, budget, spent)
         return self._finish(extraction, nodes, hits)
 
     def _settle(
@@ -575,14 +577,12 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
         built = segment_nodes(alone, self.chunk_index_key)[0]
         return len(llm_text(built)) - len(built.get_content())
 
-    def _cost(self, segments: Sequence[Segment]) -> tuple[int, int]:
-        """``(characters, tokens)`` the LLM reads for ``segments``' nodes."""
-        chars = tokens = 0
-        for segment in segments:
-            for node in segment_nodes(segment, self.chunk_index_key):
-                c, t = node_cost(node, self.tokenizer)
-                chars, tokens = chars + c, tokens + t
-        return chars, tokens
+    def _costs(self, segments: Sequence[Segment]) -> list[tuple[int, int]]:
+        """``(characters, tokens)`` the LLM reads for each segment's node(s)."""
+        return [
+            _total([node_cost(n, self.tokenizer) for n in segment_nodes(s, self.chunk_index_key)])
+            for s in segments
+        ]
 
     def _budget(self, hits: list[_Hit]) -> _Budget:
         """The budget in characters; a token budget converts at the hits' own ratio."""
@@ -597,16 +597,22 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
             limits.append(self.max_context_chars)
         return _Budget(min(limits), ratio, self.max_context_chars, self.max_context_tokens)
 
-    def _trim(self, segments: list[Segment], budget: _Budget) -> list[Segment]:
-        """Drop the least valuable segments until the nodes fit (estimates that stayed wrong)."""
-        kept = sorted(segments, key=lambda s: -s.value)
-        while kept and budget.overrun(self._cost(kept)) > 0:
+    def _trim(
+        self, segments: list[Segment], costs: list[tuple[int, int]], budget: _Budget
+    ) -> tuple[list[Segment], tuple[int, int]]:
+        """Drop the least valuable segments until the nodes fit (estimates that stayed wrong);
+        returns the segments kept, best first, and what they cost together."""
+        kept = sorted(zip(segments, costs, strict=True), key=lambda pair: -pair[0].value)
+        while kept and budget.overrun(_total([c for _, c in kept])) > 0:
             kept.pop()
-        return kept
+        return [s for s, _ in kept], _total([c for _, c in kept])
 
-    def _fit_passthrough(self, extraction: SegmentExtraction, budget: _Budget) -> None:
-        """Nodes RSE could not place follow the segments as far as the budget lets them."""
-        chars, tokens = self._cost(extraction.segments)
+    def _fit_passthrough(
+        self, extraction: SegmentExtraction, budget: _Budget, spent: tuple[int, int]
+    ) -> None:
+        """Nodes RSE could not place follow the segments (costing ``spent``) as far as the
+        budget lets them."""
+        chars, tokens = spent
         kept = []
         for item in extraction.passthrough:
             c, t = node_cost(item.node, self.tokenizer)
@@ -692,6 +698,11 @@ class RelevantSegmentPostprocessor(BaseNodePostprocessor):
                     for node in segment_nodes(segment, self.chunk_index_key)
                 )
         return result + extraction.passthrough
+
+
+def _total(costs: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """``(characters, tokens)`` summed."""
+    return sum(c for c, _ in costs), sum(t for _, t in costs)
 
 
 @dataclass(frozen=True)

@@ -80,15 +80,15 @@ def find_best_segments(
     Raises ``ValueError`` for bad lengths, splits, ragged rows, non-finite values or values
     above 1e100 in size (dsRAG would accept ``inf``; no real chunk value comes near either).
     """
-    max_length = _positive_int(max_length, "max_length", "the longest segment in chunks")
-    overall_max_length = _positive_int(
+    max_length = positive_int(max_length, "max_length", "the longest segment in chunks")
+    overall_max_length = positive_int(
         overall_max_length, "overall_max_length", "the total chunks over all segments"
     )
     if minimum_value != minimum_value:  # NaN compares unequal to itself
         raise ValueError("minimum_value is NaN: pass a number, e.g. 0.5 (dsRAG's balanced preset)")
-    values = _as_value_matrix(all_relevance_values)
+    values = as_value_matrix(all_relevance_values)
     n_queries, n_chunks = values.shape
-    splits = _checked_splits(document_splits, n_chunks)
+    splits = checked_splits(document_splits, n_chunks)
     if n_queries == 0 or n_chunks == 0:
         return [], []
 
@@ -382,7 +382,8 @@ def _upper_bounds(values: FloatArray, usable: NDArray[np.bool_], width: int) -> 
     return ahead - prefix[:-1] + tolerance
 
 
-def _positive_int(value: int, name: str, meaning: str) -> int:
+def positive_int(value: int, name: str, meaning: str) -> int:
+    """``value`` as an int >= 1, else a ``ValueError`` naming ``name`` and what to pass."""
     try:
         as_int = operator.index(value)
     except TypeError:
@@ -394,7 +395,9 @@ def _positive_int(value: int, name: str, meaning: str) -> int:
     return as_int
 
 
-def _as_value_matrix(all_relevance_values: Sequence[Sequence[float]] | NDArray[Any]) -> FloatArray:
+def as_value_matrix(all_relevance_values: Sequence[Sequence[float]] | NDArray[Any]) -> FloatArray:
+    """Chunk values as a float64 (queries, chunks) matrix; ``ValueError`` for ragged rows,
+    non-finite values or values too large to sum exactly (shared with the budgeted search)."""
     if isinstance(all_relevance_values, np.ndarray):
         if all_relevance_values.ndim != 2:
             raise ValueError(
@@ -438,9 +441,10 @@ def _as_value_matrix(all_relevance_values: Sequence[Sequence[float]] | NDArray[A
     return matrix
 
 
-def _checked_splits(
+def checked_splits(
     document_splits: Sequence[int] | NDArray[np.integer[Any]], n_chunks: int
 ) -> list[int]:
+    """The splits as ints, strictly increasing, inside ``[0, n_chunks]``; else a ``ValueError``."""
     splits: list[int] = []
     for split in document_splits:
         try:

@@ -35,7 +35,7 @@ export LLAMA_SERVER_CMAKE_ARGS ?= -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS
 	-DGGML_OPENMP=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=ON \
 	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
 
-.PHONY: venv demo test lint bench clean test-core-$(OLD_CORE) llama-server
+.PHONY: venv demo test lint bench clean test-core-$(OLD_CORE) llama-server check-install
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -56,8 +56,12 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: lint llama-server test-core-$(OLD_CORE)
+test: lint check-install llama-server test-core-$(OLD_CORE)
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+# The wheel in a fresh virtualenv with its declared dependencies only (steps in the script).
+check-install: $(STAMP)
+	$(BIN)/python scripts/check_install.py
 
 # Prints the binary's path; a no-op (seconds) once the binary for this version is cached.
 llama-server: $(STAMP)

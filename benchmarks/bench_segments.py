@@ -15,7 +15,8 @@ of each and the speed-up measured in the same run, then times ours alone on a mi
 Last, the budgeted search (``find_budgeted_segments`` + ``fill_budget``, what
 ``max_context_chars`` runs) on the same values with chunk lengths of 300-1,400 characters and
 60 characters of overlap, against dsRAG's unbudgeted time on that meta-document: a different
-problem (a knapsack over characters, not a chunk count), timed in the same run.
+problem (a knapsack over characters, not a chunk count), timed in the same run, with the
+search's peak memory (tracemalloc) and the bound ``budget.py`` states for it.
 
 Run: python benchmarks/bench_segments.py [--repeats 5]
 Needs dsRAG's rse.py: pip install --no-deps dsrag==0.5.6
@@ -28,6 +29,7 @@ import importlib.metadata
 import importlib.util
 import sys
 import time
+import tracemalloc
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -172,7 +174,7 @@ def budgeted(
     print("\nbudgeted search (max_context_chars), same presets and values:")
     header = (
         f"{'regime':>9}  {'chunks':>7}  {'budget':>6}  {'dsRAG ms':>9}  {'budgeted ms':>11}  "
-        f"{'ratio':>6}  {'segments':>8}"
+        f"{'ratio':>6}  {'segments':>8}  {'peak MB':>8}  {'bound MB':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -203,12 +205,21 @@ def budgeted(
                     spans, _ = find_budgeted_segments(
                         values, splits, first, step, budget, knobs[0], knobs[2]
                     )
-                    return fill_budget(spans, best, splits, first, step, budget, hits)
+                    return fill_budget(spans, best, splits, first, step, budget, hits, knobs[0])
 
                 ours_ms, runs = best_ms(search, repeats)
+                tracemalloc.start()
+                search()
+                peak = tracemalloc.get_traced_memory()[1]
+                tracemalloc.stop()
+                # budget.py's bound: (C + 1) cells * (8 bytes * (max_length + 6) + 1 byte per
+                # end position of value >= 0), C <= budget, + about 100 bytes per position.
+                ends = int((best >= 0).sum())
+                bound = (budget + 1) * (8 * (knobs[0] + 6) + ends) + 100 * n_chunks
                 print(
                     f"{regime:>9}  {n_chunks:>7,}  {budget:>6,}  {theirs_ms:>9.1f}  "
-                    f"{ours_ms:>11.2f}  {theirs_ms / ours_ms:>5.1f}x  {len(runs):>8}"
+                    f"{ours_ms:>11.2f}  {theirs_ms / ours_ms:>5.1f}x  {len(runs):>8}  "
+                    f"{peak / 1e6:>8.1f}  {bound / 1e6:>8.1f}"
                 )
 
 

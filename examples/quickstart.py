@@ -173,7 +173,12 @@ def open_store(args: argparse.Namespace):
     else:
         args.storage.mkdir(parents=True, exist_ok=True)
         client = QdrantClient(path=str(args.storage / "qdrant"))
-    return client, QdrantVectorStore(client=client, collection_name=COLLECTION)
+    # The store's payload index on the document id serves RSE's filtered reads on a server;
+    # local mode has no payload indexes (it warns when asked for one), so ask only a server.
+    store = QdrantVectorStore(
+        client=client, collection_name=COLLECTION, index_doc_id=bool(args.qdrant_url)
+    )
+    return client, store
 
 
 def ingest(args: argparse.Namespace, client, store, embed) -> None:

@@ -31,7 +31,10 @@ def qdrant_index(nodes, minilm, *, keep_chunk_index: bool = True, collection: st
     if not keep_chunk_index:
         for node in nodes:
             node.metadata.pop("chunk_index", None)
-    store = QdrantVectorStore(client=QdrantClient(location=":memory:"), collection_name=collection)
+    # Local mode has no payload indexes: asking for one only warns.
+    store = QdrantVectorStore(
+        client=QdrantClient(location=":memory:"), collection_name=collection, index_doc_id=False
+    )
     storage = StorageContext.from_defaults(vector_store=store)
     return VectorStoreIndex(nodes, storage_context=storage, embed_model=minilm)
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+else:
+    import tomli as tomllib
 
 from llama_index.packs.self_rag_rse import download
 from llama_index.packs.self_rag_rse.cli import main
@@ -406,7 +406,8 @@ def _pyproject(tmp_path: Path) -> Path:
             [project.optional-dependencies]
             fast = ["numpy<1"]
             plot = ["another-missing-self-rag-rse-dep"]
-            all = ["llama-index-packs-self-rag-rse[fast,plot]"]
+            elsewhere = ["surely-not-installed-self-rag-rse-dep; sys_platform == 'no-such-os'"]
+            all = ["llama-index-packs-self-rag-rse[fast,plot,elsewhere]"]
             """
         )
     )
@@ -421,8 +422,19 @@ def test_only_missing_requirements_are_named(tmp_path):
         "another-missing-self-rag-rse-dep",
         "numpy<1",
     ]
-    with pytest.raises(ValueError, match=r"Unknown extra 'gpu'; valid extras: all, fast, plot"):
+    # A marker that does not apply here needs nothing installed.
+    assert missing_requirements(pyproject, ["elsewhere"]) == [
+        "surely-not-installed-self-rag-rse-dep>=1"
+    ]
+    with pytest.raises(ValueError, match=r"Unknown extra 'gpu'; valid extras: all, elsewhere, fa"):
         missing_requirements(pyproject, ["gpu"])
+
+
+def test_an_unreadable_requirement_names_itself(tmp_path):
+    path = tmp_path / "pyproject.toml"
+    path.write_text('[project]\nname = "x"\ndependencies = ["numpy >>> 1"]\n')
+    with pytest.raises(ValueError, match=r"Cannot read the requirement 'numpy >>> 1'"):
+        missing_requirements(path)
 
 
 def test_pip_installs_only_what_is_missing(tmp_path, monkeypatch, caplog):

@@ -27,9 +27,7 @@ else:
 """
 
 
-@pytest.mark.parametrize(
-    ("package", "light"), [(ROOT, LIGHT), (f"{ROOT}.evaluation", [*LIGHT, f"{ROOT}.evaluation"])]
-)
+@pytest.mark.parametrize(("package", "light"), [(ROOT, LIGHT)])
 def test_names_load_on_first_use(package: str, light: list[str]) -> None:
     code = CHECK.format(package=package, root=ROOT, light=sorted(light))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -18,8 +18,12 @@ def test_unknown_options_name_the_closest_and_list_the_valid_ones():
     assert message.endswith("valid options: threshold, w_rel")
 
 
-def test_known_options_pass():
-    reject_unknown("Thing", {"threshold": 1}, ["threshold"])
+def test_only_the_unknown_options_are_named():
+    assert reject_unknown("Thing", {"threshold": 1, "w_rel": 2}, ["threshold", "w_rel"]) is None
+    with pytest.raises(TypeError) as info:
+        reject_unknown("Thing", {"threshold": 1, "w_rell": 2}, ["threshold", "w_rel"])
+    assert "unknown option 'w_rell' (did you mean 'w_rel'?);" in str(info.value)
+    assert "'threshold'" not in str(info.value).split(";")[0]
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, "0.5", True])
@@ -28,8 +32,10 @@ def test_non_finite_or_non_numbers_are_rejected(value):
         require_finite("Thing", w=value)
 
 
-def test_finite_numbers_and_none_pass():
-    require_finite("Thing", a=0, b=1.5, c=None)
+def test_finite_numbers_and_none_pass_and_the_first_bad_one_is_named():
+    assert require_finite("Thing", a=0, b=1.5, c=None, d=-(2**60)) is None
+    with pytest.raises(ValueError, match=r"Thing: c must be a finite number, got nan"):
+        require_finite("Thing", a=0, b=1.5, c=math.nan)
 
 
 def test_optional_import_names_the_extra():

@@ -61,11 +61,21 @@ async def test_a_damaged_cache_file_is_named_and_replaced(
     }
 
 
-def test_components_start_on_a_damaged_cache_folder(tmp_path: Any) -> None:
+async def test_components_start_on_a_damaged_cache_folder(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     from llama_index.packs.self_rag_rse.context.sectioner import DocumentSectioner
 
-    (tmp_path / CACHE_FILE_NAME).write_text('{"self_rag_rse_context/sec')
-    DocumentSectioner(strategy="headings", cache=str(tmp_path))  # no JSONDecodeError
+    damaged = tmp_path / CACHE_FILE_NAME
+    damaged.write_text('{"self_rag_rse_context/sec')
+    with caplog.at_level(logging.WARNING):
+        sectioner = DocumentSectioner(strategy="headings", cache=str(tmp_path))
+    assert str(damaged) in caplog.text and "damaged" in caplog.text
+    # It starts empty and works: a value written now is read back.
+    key = ContextCache.key("sections", "text")
+    assert await sectioner.cache.aget("sections", key) is None
+    await sectioner.cache.aput("sections", key, {"starts": [[0, "A"]]})
+    assert await sectioner.cache.aget("sections", key) == {"starts": [[0, "A"]]}
 
 
 async def test_a_write_cut_short_leaves_the_previous_cache_whole(

@@ -38,11 +38,30 @@ REGENERATED = {
 }
 
 
+def json_objects(text: str) -> list[dict[str, Any]]:
+    """The JSON objects written in ``text`` (not those nested in another), in order."""
+    decoder, found, end = json.JSONDecoder(), [], 0
+    for start, char in enumerate(text):
+        if char == "{" and start >= end:
+            try:
+                value, stop = decoder.raw_decode(text, start)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                found.append(value)
+                end = stop
+    return found
+
+
 def ragas_reply(prompt: str) -> str:
-    """RAGAS's prompts, answered by rules (see ``test_ragas_judge``): statements are the
-    answer's sentences, a statement or sentence is supported when the context contains it."""
-    title = re.findall(r'"title": "(\w+)", "type": "object"\}Do not', prompt)[-1]
-    data = json.loads(prompt.rsplit("input: ", 1)[1].rsplit("\nOutput:", 1)[0])
+    """RAGAS's prompts, answered by rules (see ``test_judges.py``): statements are the
+    answer's sentences, a statement or sentence is supported when the context contains it.
+
+    Read by structure, not wording: the reply's JSON schema (an object with ``properties``)
+    names the task, and the last JSON object of the prompt is the input to judge."""
+    objects = json_objects(prompt)
+    title = next(o["title"] for o in objects if "properties" in o and "title" in o)
+    data = objects[-1]
     if title == "StatementGeneratorOutput":
         return json.dumps({"statements": sentences(data["answer"])})
     if title == "NLIStatementOutput":

@@ -9,7 +9,7 @@ from llama_index.core.llms import ChatMessage
 from retrievers import FixedRetriever
 
 from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
-from llama_index.packs.self_rag_rse.evaluation.calls import ModelCallCounter
+from llama_index.packs.self_rag_rse.evaluation.runner import ModelCallCounter
 from llama_index.packs.self_rag_rse.self_rag.contract import (
     BaseCritic,
     ParagraphJudgement,

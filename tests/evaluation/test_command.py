@@ -10,6 +10,7 @@ import pytest
 from corpus import CORPUS
 
 from llama_index.packs.self_rag_rse.cli import main
+from llama_index.packs.self_rag_rse.evaluation import command
 from llama_index.packs.self_rag_rse.evaluation.command import ModelSpec, load_llm, parse_spec
 
 QUESTIONS = [
@@ -41,39 +42,42 @@ def test_parse_spec(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     assert parse_spec("bundled") == ModelSpec("bundled")
-    assert parse_spec("bundled").bundled
     assert parse_spec(str(gguf)) == ModelSpec("gguf", str(gguf))
-    assert parse_spec("openai-like:qwen", "http://h/v1") == ModelSpec(
-        "openai-like", "qwen", "http://h/v1"
+    assert parse_spec("http://h/v1#qwen") == ModelSpec("served", "qwen", "http://h/v1")
+    assert parse_spec("https://h/v1", chat=True) == ModelSpec("served", None, "https://h/v1", True)
+    # The old forms, accepted for one release: the kind says chat or not, whatever the flag.
+    assert parse_spec("openai-like:qwen", url="http://h/v1", chat=True) == ModelSpec(
+        "served", "qwen", "http://h/v1", False
     )
-    assert parse_spec("openai-like-chat", "http://h/v1") == ModelSpec(
-        "openai-like-chat", None, "http://h/v1"
+    assert parse_spec("openai-like-chat", url="http://h/v1") == ModelSpec(
+        "served", None, "http://h/v1", True
     )
-    with pytest.raises(ValueError, match="pass --judge-url URL"):
-        parse_spec("openai-like-chat:x", url_flag="--judge-url")
+    with pytest.raises(ValueError, match="pass --judge URL"):
+        parse_spec("openai-like-chat:x", flag="--judge")
     with pytest.raises(ValueError, match="does not exist"):
         parse_spec(str(tmp_path / "absent.gguf"))
 
 
 def test_served_model_is_an_openai_like():
     pytest.importorskip("llama_index.llms.openai_like")
-    loaded = load_llm("openai-like-chat:judge-7b", "http://127.0.0.1:9/v1", max_new_tokens=99)
-    assert type(loaded.llm).__name__ == "OpenAILike"
-    assert loaded.llm.model == "judge-7b" and loaded.llm.is_chat_model
-    assert loaded.llm.max_tokens == 99 and loaded.llm.api_base == "http://127.0.0.1:9/v1"
-    assert not load_llm("openai-like:m", "http://127.0.0.1:9/v1").llm.is_chat_model
-    assert loaded.label == "judge-7b at http://127.0.0.1:9/v1"
-    loaded.close()  # holds nothing
+    spec = parse_spec("http://127.0.0.1:9/v1#judge-7b", flag="--judge", chat=True)
+    llm, label, close = load_llm(spec, 99, 4096)
+    assert type(llm).__name__ == "OpenAILike"
+    assert llm.model == "judge-7b" and llm.is_chat_model
+    assert llm.max_tokens == 99 and llm.api_base == "http://127.0.0.1:9/v1"
+    assert not load_llm(parse_spec("http://127.0.0.1:9/v1#m"), 8, 512)[0].is_chat_model
+    assert label == "judge-7b at http://127.0.0.1:9/v1"
+    close()  # holds nothing
 
 
 def test_bundled_model_uses_its_own_chat_template():
-    loaded = load_llm("bundled", max_new_tokens=4, context_window=512)
+    llm, label, close = load_llm(parse_spec("bundled"), 4, 512)
     try:
-        assert loaded.bundled and loaded.label.startswith("SmolLM2-135M")
-        prompt = loaded.llm.completion_to_prompt("Hi?")
+        assert label.startswith("SmolLM2-135M")
+        prompt = llm.completion_to_prompt("Hi?")
         assert prompt.endswith("<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n")
     finally:
-        loaded.close()
+        close()
 
 
 def test_help_lists_evaluate_and_keeps_the_other_commands(capsys):
@@ -87,32 +91,80 @@ def test_help_lists_evaluate_and_keeps_the_other_commands(capsys):
     out = capsys.readouterr().out
     for flag in ("--docs", "--qa", "--out", "--llm", "--judge", "--judge-url", "--workers"):
         assert flag in out
-    assert "openai-like-chat[:MODEL]" in out
+    assert "URL[#MODEL]" in out and "openai-like[-chat][:MODEL]" in out  # the old form too
     assert main(["list"]) == 0
     assert "SelfRAGQueryEngine" in capsys.readouterr().out
+
+
+def evaluate_with(inputs, *extra):
+    """Exit code and stderr of ``evaluate`` on the fixture's inputs; no model may load."""
+    docs, qa, out = inputs
+    try:
+        code = main(["evaluate", "--docs", str(docs), "--qa", str(qa), "--out", str(out), *extra])
+    except SystemExit as stop:  # an argparse error
+        code = stop.code
+    return code
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Loading a model, an embedding or an index fails the test: errors come first."""
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("something loaded before the arguments were checked")
+
+    for name in ("load_llm", "optional_import"):  # optional_import: the embedding, a server
+        monkeypatch.setattr(command, name, loaded)
+    monkeypatch.setattr(command.setup, "build_index", loaded)
 
 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--llm", "openai-like:qwen"], "needs the server's base URL: pass --llm-url"),
+        (["--llm", "openai-like:qwen"], "--llm openai-like:qwen needs the server: pass --llm URL"),
         (["--judge-url", "http://x/v1"], "--judge-url is for a served model"),
         (["--llm", "missing.gguf"], "missing.gguf does not exist"),
-        (["--llm", "gpt-7"], "cannot read the model specification 'gpt-7'"),
+        (["--llm", "gpt-7"], "--llm 'gpt-7': pass bundled, PATH.gguf or URL[#MODEL]"),
         (["--engines", "top-k,best"], "--engines: unknown ['best']"),
         (["--metrics", "faithfulnes"], "--metrics: unknown ['faithfulnes']"),
-        (["--workers", "0"], "--workers must be at least 1"),
-        (["--rse-context-chars", "0"], "--rse-context-chars must be at least 1"),
+        (["--workers", "0"], "--workers: must be a whole number of at least 1, got '0'"),
+        (["--rse-context-chars", "0"], "--rse-context-chars: must be a whole number from 1"),
     ],
 )
-def test_bad_arguments_fail_fast_with_the_fix(inputs, capsys, extra, message):
-    docs, qa, out = inputs
-    started = time.perf_counter()
-    code = main(["evaluate", "--docs", str(docs), "--qa", str(qa), "--out", str(out), *extra])
-    assert code == 1
+def test_bad_arguments_fail_fast_with_the_fix(inputs, capsys, no_loading, extra, message):
+    assert evaluate_with(inputs, *extra) in (1, 2)  # 2: argparse's own errors
     assert message in capsys.readouterr().err
-    assert time.perf_counter() - started < 5  # nothing was loaded
-    assert not out.exists()
+    assert not inputs[2].exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--timeout", "0"], "--timeout: must be a number of seconds above 0, got '0'"),
+        (["--timeout", "-5"], "--timeout: must be a number of seconds above 0, got '-5'"),
+        (["--timeout", "nan"], "--timeout: must be a number of seconds above 0, got 'nan'"),
+        (["--retries", "-1"], "--retries: must be 0 or more, got '-1'"),
+        (["--top-k", "two"], "--top-k: must be a whole number of at least 1, got 'two'"),
+        (["--rse-max-length", "0"], "--rse-max-length: must be a whole number of at least 1"),
+        (["--rse-context-chars", "100000000"], "--rse-context-chars: must be a whole number from "
+         "1 to 10,000,000 (characters), got '100000000'"),
+    ],
+)  # fmt: skip
+def test_every_flag_is_checked_before_anything_loads(inputs, capsys, no_loading, extra, message):
+    assert evaluate_with(inputs, *extra) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_inputs_and_the_output_folder_are_checked_in_the_flags_words(inputs, capsys, no_loading):
+    docs, qa, out = inputs
+    assert evaluate_with((docs, qa.parent, out)) == 1
+    assert f"--qa {qa.parent} is a folder: pass a .jsonl file" in capsys.readouterr().err
+    (out / "cache.jsonl").mkdir(parents=True)
+    assert evaluate_with(inputs) == 1
+    assert f"--out {out}: its cache.jsonl is a folder" in capsys.readouterr().err
+    (docs / "latin.txt").write_bytes("caf\xe9".encode("latin-1"))
+    assert evaluate_with(inputs) == 1
+    assert "latin.txt line 1 is not UTF-8" in capsys.readouterr().err
 
 
 def test_bad_question_file_names_the_line(inputs, capsys):
@@ -153,8 +205,8 @@ def test_end_to_end_offline_with_the_bundled_models_and_resume(inputs, capsys):
     assert calls["self-rag"]["critic_calls"] >= 1 and calls["self-rag"]["llm_requests"] == 0
 
     report = (out / "report.md").read_text()
-    assert "bundled SmolLM2-135M, a 135M-parameter model" in report
-    assert "through llama-index-core evaluators" in report
+    assert "The judge is the bundled SmolLM2-135M, a 135M-parameter model" in report
+    assert "- Judge: llama-index-core evaluators / LlamaCPP(" in report
     assert "self-rag-rse evaluate --docs" in report
     assert "| self-rag+corrective |" in report
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"

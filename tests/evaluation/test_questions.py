@@ -169,13 +169,39 @@ def test_nodes_are_placed_by_offsets_segment_range_or_search():
     )
     by_path = node("Nothing", metadata={"file_path": "/data/docs/sub/other.txt"})
     stranger = node("Not in any document.", metadata={"file_name": "missing.txt"})
-    found = retrieved_contexts([chunk, wrong_offsets, segment, by_path, stranger], documents)
-    assert found.texts[0] == "Delta epsilon zeta." and len(found.texts) == 5
-    assert found.spans == [
+    texts, spans, unplaced = retrieved_contexts(
+        [chunk, wrong_offsets, segment, by_path, stranger], documents
+    )
+    assert texts[0] == "Delta epsilon zeta." and len(texts) == 5
+    assert spans == [
         ("doc.txt", 19, 38),
         ("doc.txt", DOC.index("Iota"), len(DOC)),
         ("doc.txt", 0, 24),
         ("sub/other.txt", 0, 7),
     ]
-    assert found.unplaced_chars == len("Not in any document.")
-    assert retrieved_contexts([chunk]).spans == []  # no documents: texts only
+    assert unplaced == len("Not in any document.")
+    assert retrieved_contexts([chunk]) == (["Delta epsilon zeta."], [], 0)  # no documents
+
+
+@pytest.mark.parametrize(("encoding", "source"), [("latin-1", "LATIN1"), ("utf-16", "UTF-16")])
+def test_a_question_file_not_in_utf8_names_file_line_and_fix(tmp_path, encoding, source):
+    qa = tmp_path / "qa.jsonl"
+    qa.write_bytes(
+        '{"question": "plain?"}\n{"question": "Qu\'est-ce qu\'une clé ?"}\n'.encode(encoding)
+    )
+    with pytest.raises(ValueError) as info:
+        load_questions(qa)
+    line = 2 if encoding == "latin-1" else 1  # UTF-16 fails at its byte-order mark
+    assert f"--qa: {qa} line {line} is not UTF-8" in str(info.value)
+    assert f"iconv -f {source} -t UTF-8 qa.jsonl" in str(info.value)
+
+
+def test_a_document_not_in_utf8_names_file_line_and_fix(docs):
+    (docs / "sub" / "latin.txt").write_bytes("one\ntwo\ncafé\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"--docs: .*latin\.txt line 3 is not UTF-8.*iconv"):
+        read_documents(docs)
+
+
+def test_a_question_file_that_is_a_folder_says_so(tmp_path):
+    with pytest.raises(ValueError, match=r"--qa .* is a folder: pass a \.jsonl file"):
+        load_questions(tmp_path)

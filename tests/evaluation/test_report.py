@@ -7,7 +7,7 @@ import json
 import pytest
 
 from llama_index.packs.self_rag_rse.evaluation import EvaluationResult, Record, write_report
-from llama_index.packs.self_rag_rse.evaluation.result import MetricSummary
+from llama_index.packs.self_rag_rse.evaluation.report import MetricSummary
 
 
 def record(question, engine, faithfulness, latency=1.0, calls=2, **extra):
@@ -45,7 +45,7 @@ def result():
         settings={
             "command": "self-rag-rse evaluate --docs d --qa q.jsonl --out o",
             "llm": "tiny.gguf (llama.cpp)",
-            "judge": {"backend": "ragas", "library": "ragas 0.4.3", "llm": "LlamaCPP(tiny)"},
+            "judge": {"identity": "ragas 0.4.3 / LlamaCPP(tiny)"},
             "engines": {"top-k": "plain", "self-rag": "Self-RAG"},
         },
         notes=["The judge is tiny. Numbers mean little."],
@@ -82,14 +82,14 @@ def test_files_written(result, tmp_path):
     assert "> **Caveat.** The judge is tiny. Numbers mean little." in report
     assert "self-rag-rse evaluate --docs d --qa q.jsonl --out o" in report
     assert "- Answering LLM: tiny.gguf (llama.cpp)" in report
-    assert "- Judge: LlamaCPP(tiny) through ragas 0.4.3" in report
+    assert "- Judge: ragas 0.4.3 / LlamaCPP(tiny)" in report
     header = "| engine | faithfulness | evidence_recall | latency (s) | model calls |"
     assert header in report
     assert "| top-k | 0.40 ± 0.28 (n=2) | 0.50 ± 0.00 (n=2) | 1.50 ± 0.71 (n=2) |" in report
     assert "| self-rag | 1.00 ± 0.00 (n=1, 1 failed) |" in report
     assert "## Failures" in report and "unreadable \\| reply" in report
     assert "![metrics by engine](report.png)" in report
-    assert "`faithfulness`: RAGAS: share of the answer's statements" in report
+    assert "Metrics: docs/evaluate.md" in report
 
 
 def test_no_matplotlib_still_writes_the_report(result, tmp_path, monkeypatch):

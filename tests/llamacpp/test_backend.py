@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -87,18 +88,18 @@ def assert_same(a: list[ParagraphResult], b: list[ParagraphResult]) -> None:
 def test_one_reading_per_paragraph_gives_the_judgements_of_separate_decodes(
     digits_llm: Any, n_seq_max: int
 ) -> None:
-    shared = LlamaCppBackend(digits_llm, max_new_tokens=12, n_seq_max=n_seq_max)
-    whole = LlamaCppBackend(digits_llm, max_new_tokens=12, n_seq_max=8, share_prefixes=False)
-    try:
+    with (
+        closing(LlamaCppBackend(digits_llm, max_new_tokens=12, n_seq_max=n_seq_max)) as shared,
+        closing(
+            LlamaCppBackend(digits_llm, max_new_tokens=12, n_seq_max=8, share_prefixes=False)
+        ) as whole,
+    ):
         shared.decoder.stats.reset()
         got = judge(shared)
         evaluated = shared.decoder.stats.prompt_tokens
         whole.decoder.stats.reset()
         expected = judge(whole, contract_default=True)
         separate = whole.decoder.stats.prompt_tokens
-    finally:
-        shared.close()
-        whole.close()
     assert_same(got, expected)
     assert all(r.answer.text for r in got if isinstance(r.answer, Generated))
     # each paragraph once instead of three times, the question and instructions shared
@@ -106,16 +107,11 @@ def test_one_reading_per_paragraph_gives_the_judgements_of_separate_decodes(
 
 
 def test_the_contract_default_gives_the_same_judgements(digits_llm: Any) -> None:
-    backend = LlamaCppBackend(digits_llm, max_new_tokens=12)
-    try:
+    with (
+        closing(LlamaCppBackend(digits_llm, max_new_tokens=12)) as backend,
+        closing(LlamaCppBackend(digits_llm, max_new_tokens=12)) as other,
+    ):
         assert_same(judge(backend), judge(backend, contract_default=True))
-        other = LlamaCppBackend(digits_llm, max_new_tokens=12)
-        try:  # answers from another backend: the contract's two rounds
-            mixed = asyncio.run(
-                backend.judge_paragraphs(QUERY, PARAGRAPHS, PROMPTS, generator=other)
-            )
-        finally:
-            other.close()
+        # answers from another backend: the contract's two rounds
+        mixed = asyncio.run(backend.judge_paragraphs(QUERY, PARAGRAPHS, PROMPTS, generator=other))
         assert_same(mixed, judge(backend))
-    finally:
-        backend.close()

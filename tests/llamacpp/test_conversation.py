@@ -9,11 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from llama_index.packs.self_rag_rse.llamacpp.decoder import (
-    BatchedDecoder,
-    Request,
-    SequenceOutput,
-)
+from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder
+from llama_index.packs.self_rag_rse.llamacpp.sequences import Request, SequenceOutput
 
 PARAGRAPHS = [
     "Paris is the capital and largest city of France.",
@@ -87,6 +84,37 @@ def test_a_second_round_reads_only_what_is_new(decoders: tuple[Any, Any], tiny_l
     asked_second = second(got_first[0::2])
     assert new < sum(len(r.tokens) for r in asked_second) / 3
     assert shared.stats.reused_tokens > 0
+
+
+def test_carry_over_continues_the_last_conversation(
+    decoders: tuple[Any, Any], tiny_llm: Any
+) -> None:
+    shared, whole = decoders
+    first, second = rounds(tiny_llm)
+    with whole.conversation() as conversation:
+        expected_first = conversation.run(first)
+        expected_second = conversation.run(second(expected_first[0::2]))
+    with shared.conversation(carry_over=True) as conversation:
+        got_first = conversation.run(first)
+    shared.stats.reset()
+    with shared.conversation(carry_over=True) as conversation:
+        got_second = conversation.run(second(got_first[0::2]))
+    carried = shared.stats.prompt_tokens
+    for a, b in zip([*got_first, *got_second], [*expected_first, *expected_second], strict=True):
+        assert_same(a, b)
+    asked = sum(len(r.tokens) for r in second(got_first[0::2]))
+    assert carried < asked / 3  # the heads and paragraphs were held from the first block
+
+    # A conversation without carry_over starts empty, and what it did is not carried either.
+    with shared.conversation() as conversation:
+        conversation.run(first[:1])
+        assert conversation.held.keys() == {0}
+    shared.stats.reset()
+    with shared.conversation(carry_over=True) as conversation:
+        again = conversation.run(second(got_first[0::2]))
+    assert shared.stats.prompt_tokens > carried
+    for a, b in zip(again, expected_second, strict=True):
+        assert_same(a, b)
 
 
 def test_a_kept_prompt_is_copied_and_stays_exact(decoders: tuple[Any, Any], tiny_llm: Any) -> None:

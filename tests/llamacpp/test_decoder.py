@@ -9,7 +9,8 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder, SequenceOutput
+from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder
+from llama_index.packs.self_rag_rse.llamacpp.sequences import Request, SequenceOutput
 from llama_index.packs.self_rag_rse.self_rag.reflection import (
     NO_RETRIEVAL,
     PARAGRAPH_CLOSE,
@@ -92,36 +93,6 @@ def test_batched_equals_serial_and_chunks(decoder: BatchedDecoder, tiny_llm: Any
         assert_same(batched[i], serial)
 
 
-@pytest.mark.parametrize("n_tails", [2, 3])  # n_seq_max=4: groups of 2 suffixes, then of 1
-def test_tails_equal_each_suffix_plus_tail_decoded_alone(
-    decoder: BatchedDecoder, tiny_llm: Any, n_tails: int
-) -> None:
-    inputs = judge_inputs(tiny_llm)
-    tails = [[], list(tiny_llm.tokenize(b" Is it relevant?", add_bos=False)), [inputs["prefix"][1]]]
-    tails = tails[:n_tails]
-    max_new = [12, 1, 6][:n_tails]
-    suffixes = [*inputs["suffixes"], []]
-    outputs = decoder.generate(
-        **{**inputs, "suffixes": suffixes}, tails=tails, max_new_tokens=max_new
-    )
-    assert len(outputs) == len(suffixes) * len(tails)
-    for i, suffix in enumerate(suffixes):
-        for j, tail in enumerate(tails):
-            (alone,) = decoder.generate(
-                **{
-                    **inputs,
-                    "suffixes": [suffix + inputs["suffix_tail"] + tail],
-                    "suffix_tail": [],
-                },
-                max_new_tokens=max_new[j],
-            )
-            out = outputs[i * len(tails) + j]
-            assert out.error is None and len(out.tokens) <= max_new[j]
-            assert_same(out, alone, tol=1e-5)
-    with pytest.raises(ValueError, match="one per tail"):
-        decoder.generate(**inputs, tails=tails, max_new_tokens=[1, 2, 3, 4])
-
-
 def test_stop_ids_max_new_tokens_and_empty_suffix(decoder: BatchedDecoder, tiny_llm: Any) -> None:
     inputs = judge_inputs(tiny_llm)
     full = decoder.generate(**inputs, max_new_tokens=30)
@@ -137,38 +108,40 @@ def test_stop_ids_max_new_tokens_and_empty_suffix(decoder: BatchedDecoder, tiny_
     assert decoder.generate(**inputs, max_new_tokens=0)[0].tokens == []
     # an empty suffix continues straight from the prefix
     (bare,) = decoder.generate(inputs["prefix"], [[]], max_new_tokens=5)
-    with decoder.session(inputs["prefix"]) as session:
-        assert bare.tokens == session.generate(5).tokens
+    with decoder.conversation() as conversation:
+        assert bare.tokens == conversation.run([Request(inputs["prefix"], 5)])[0].tokens
 
 
-def test_session_reads_first_position_then_continues(
+def test_conversation_reads_first_position_then_continues(
     decoder: BatchedDecoder, tiny_llm: Any, reference_llm: Any, reference: Any
 ) -> None:
     prompt = prompt_tokens(tiny_llm)
     track = [special(tiny_llm, t) for t in REFLECTION_TOKENS]
     no_retrieval = special(tiny_llm, NO_RETRIEVAL)
-    with decoder.session(prompt) as session:
-        first = session.logprobs(track)
-        free = session.generate(20, track)
-        forced = session.generate(20, track, forced=[no_retrieval])
-        again = session.generate(20, track)  # each call restarts from the bare prompt
+    with decoder.conversation() as conversation:
+        (first,) = conversation.run([Request(prompt, 1, track, keep=True)])
+        (free,) = conversation.run([Request(prompt, 20, track)])
+        (forced,) = conversation.run([Request([*prompt, no_retrieval], 20, track)])
+        (again,) = conversation.run([Request(prompt, 20, track)])  # from the bare prompt again
     assert_same(free, again)
-    np.testing.assert_allclose(free.tracked_logprobs[0], first, atol=1e-9)
-    np.testing.assert_allclose(first, reference(reference_llm, prompt, [0])[0, track], atol=TOL)
+    np.testing.assert_allclose(free.tracked_logprobs[0], first.tracked_logprobs[0], atol=1e-9)
+    expected = reference(reference_llm, prompt, [0])[0, track]
+    np.testing.assert_allclose(first.tracked_logprobs[0], expected, atol=TOL)
     rows = reference(reference_llm, [*prompt, no_retrieval], forced.tokens)
     assert rows.argmax(axis=1).tolist() == forced.tokens
     np.testing.assert_allclose(forced.tracked_logprobs, rows[:, track], atol=TOL)
 
 
-def test_session_survives_a_nested_generate(decoder: BatchedDecoder, tiny_llm: Any) -> None:
+def test_conversation_survives_a_nested_generate(decoder: BatchedDecoder, tiny_llm: Any) -> None:
     inputs = judge_inputs(tiny_llm)
-    with decoder.session(prompt_tokens(tiny_llm)) as session:
-        before = session.generate(10)
+    request = Request(prompt_tokens(tiny_llm), 10)
+    with decoder.conversation() as conversation:
+        (before,) = conversation.run([request])
         decoder.generate(**inputs, max_new_tokens=5)  # same thread: re-entrant, wipes the cache
-        after = session.generate(10)  # notices and re-reads its prompt
+        (after,) = conversation.run([request])  # notices and re-reads its prompt
     assert_same(before, after)
     with pytest.raises(RuntimeError, match="closed"):
-        session.generate(1)
+        conversation.run([request])
 
 
 def test_long_suffix_is_truncated_with_a_warning(tiny_llm: Any, caplog: Any) -> None:
@@ -261,13 +234,14 @@ def test_context_is_kept_grown_and_freed(tiny_gguf_paths: dict[str, Any]) -> Non
     decoder = BatchedDecoder(llm, n_seq_max=2)
     inputs = judge_inputs(llm)
     decoder.generate(**{**inputs, "suffixes": inputs["suffixes"][:1]}, max_new_tokens=5)
-    ctx, cells = decoder._native.ctx, decoder._native.n_cells
+    cells, created = decoder.kv_cells, decoder.stats.contexts
+    assert cells > 0 and created == 1
     decoder.generate(**{**inputs, "suffixes": inputs["suffixes"][:1]}, max_new_tokens=5)
-    assert decoder._native.ctx is ctx  # reused
+    assert decoder.stats.contexts == created  # reused
     decoder.generate(**inputs, max_new_tokens=400)
-    assert decoder._native.n_cells > cells  # grown for the bigger call
+    assert decoder.kv_cells > cells and decoder.stats.contexts == created + 1  # grown
     llm.close()  # closing the Llama frees our context first
-    assert decoder._native.ctx is None
+    assert decoder.kv_cells == 0
 
 
 def test_flash_attention_is_opt_in_and_close(
@@ -287,10 +261,15 @@ def test_flash_attention_is_opt_in_and_close(
 def test_kv_layout_follows_the_attention_kernel(tiny_llm: Any) -> None:
     # CPU without flash attention: one stream per sequence (no masked attention work);
     # with flash attention (masked cells skipped) or GPU offload: one shared cache.
-    if tiny_llm.model_params.n_gpu_layers == 0 or not llama_cpp.llama_supports_gpu_offload():
-        assert BatchedDecoder(tiny_llm).kv_unified is False
-    assert BatchedDecoder(tiny_llm, flash_attn=True).kv_unified is True
-    assert BatchedDecoder(tiny_llm, kv_unified=True).kv_unified is True
+    offloaded = tiny_llm.model_params.n_gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload()
+    with BatchedDecoder(tiny_llm) as default:
+        assert default.kv_unified is offloaded
+    with BatchedDecoder(tiny_llm, flash_attn=True) as flash:
+        assert flash.kv_unified is True
+    with BatchedDecoder(tiny_llm, kv_unified=True, flash_attn=False) as unified:
+        assert unified.kv_unified is True
+    with BatchedDecoder(tiny_llm, kv_unified=False, flash_attn=True) as split:
+        assert split.kv_unified is False
 
 
 def test_invalid_arguments(decoder: BatchedDecoder, tiny_llm: Any) -> None:

@@ -21,11 +21,9 @@ from conftest import GGML_TYPE_F32, _llama
 
 from llama_index.packs.self_rag_rse.llamacpp import compat
 from llama_index.packs.self_rag_rse.llamacpp.compat import MODEL_CLOSED_MESSAGE, ModelClosedError
-from llama_index.packs.self_rag_rse.llamacpp.decoder import (
-    BatchedDecoder,
-    ContextCreationError,
-    SequenceOutput,
-)
+from llama_index.packs.self_rag_rse.llamacpp.context import ContextCreationError
+from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder
+from llama_index.packs.self_rag_rse.llamacpp.sequences import Request, SequenceOutput
 
 PARAGRAPHS = [
     "Paris is the capital and largest city of France.",
@@ -144,21 +142,21 @@ def test_close_waits_for_a_generate_running_in_another_thread(
     assert "error" not in result, result.get("error")
     assert calls_when_closed == pausing.calls == total  # close returned after the last decode
     assert_same(result["value"], expected)
-    assert decoder._native.ctx is None
+    assert decoder.kv_cells == 0
     # Closed but reusable: the next call creates the context again.
     assert_same(decoder.generate(**inputs, max_new_tokens=40), expected)
     decoder.close()
 
 
-def test_close_inside_a_session_frees_at_once_and_the_session_recovers(tiny_llm: Any) -> None:
+def test_close_inside_a_conversation_frees_at_once_and_it_recovers(tiny_llm: Any) -> None:
     decoder = BatchedDecoder(tiny_llm, n_seq_max=2)
-    prompt = inputs_for(tiny_llm)["prefix"]
-    with decoder.session(prompt) as session:
-        before = session.generate(8, [1, 2])
+    request = Request(inputs_for(tiny_llm)["prefix"], 8, [1, 2])
+    with decoder.conversation() as conversation:
+        before = conversation.run([request])
         decoder.close()  # same thread: the lock is re-entrant, so this does not deadlock
-        assert decoder._native.ctx is None
-        after = session.generate(8, [1, 2])  # recreates the context, re-reads the prompt
-    assert_same([before], [after])
+        assert decoder.kv_cells == 0
+        after = conversation.run([request])  # recreates the context, re-reads the prompt
+    assert_same(before, after)
     decoder.close()
 
 
@@ -202,12 +200,12 @@ def test_use_after_the_model_was_closed_raises_model_closed_error(
     close_model()
     with pytest.raises(ModelClosedError, match="create the engine"):
         decoder.generate(**inputs, max_new_tokens=3)  # used to crash inside llama.cpp
-    with pytest.raises(ModelClosedError), decoder.session(inputs["prefix"]):
+    with pytest.raises(ModelClosedError), decoder.conversation():
         pass
     with pytest.raises(ModelClosedError):
         decoder.is_eog(0)
     assert decoder.closed_model
-    assert decoder._native.ctx is None  # freed before the model
+    assert decoder.kv_cells == 0  # freed before the model
     with pytest.raises(ModelClosedError):
         decoder.check_open()
     decoder.close()  # still harmless
@@ -216,15 +214,16 @@ def test_use_after_the_model_was_closed_raises_model_closed_error(
     assert str(ModelClosedError()) == MODEL_CLOSED_MESSAGE
 
 
-def test_model_closed_inside_a_session_raises_in_the_session(own_llm: Any) -> None:
+def test_model_closed_inside_a_conversation_raises_in_it(own_llm: Any) -> None:
     decoder = BatchedDecoder(own_llm, n_seq_max=2)
-    with decoder.session(inputs_for(own_llm)["prefix"]) as session:
-        session.generate(3)
-        own_llm.close()  # same thread: does not wait for the session it is inside
+    prefix = inputs_for(own_llm)["prefix"]
+    with decoder.conversation() as conversation:
+        conversation.run([Request(prefix, 3)])
+        own_llm.close()  # same thread: does not wait for the conversation it is inside
         with pytest.raises(ModelClosedError):
-            session.generate(3)
+            conversation.run([Request(prefix, 3)])
         with pytest.raises(ModelClosedError):
-            session.logprobs([1])
+            conversation.run([Request(prefix, 1, [1])])
 
 
 def test_model_closed_while_another_thread_decodes(
@@ -243,7 +242,7 @@ def test_model_closed_while_another_thread_decodes(
     assert not thread.is_alive()
     assert isinstance(result.get("error"), ModelClosedError), result
     assert pausing.calls == total // 3  # stopped at once rather than decoding for nobody
-    assert decoder._native.ctx is None
+    assert decoder.kv_cells == 0
     with pytest.raises(ModelClosedError):
         decoder.generate(**inputs, max_new_tokens=3)
 
@@ -257,11 +256,11 @@ def test_a_model_freed_without_telling_the_decoder_is_detected_and_left_alone(
     inputs = inputs_for(own_llm)
     decoder.generate(**inputs, max_new_tokens=3)
     own_llm.close()
-    assert decoder._native.ctx is not None  # not told
+    assert decoder.kv_cells > 0  # not told
     with pytest.raises(ModelClosedError):
         decoder.generate(**inputs, max_new_tokens=3)
     decoder.close()  # leaks the context rather than letting llama_free read the freed model
-    assert decoder._native.ctx is None
+    assert decoder.kv_cells == 0
     # A misuse during the program's life is a warning (only the exit of the process is quiet).
     assert [r.levelno for r in caplog.records if "leaked" in r.getMessage()] == [logging.WARNING]
 
@@ -332,7 +331,7 @@ def test_context_creation_failure_retries_with_fewer_sequences(
         outputs = decoder.generate(**inputs, max_new_tokens=100)
         assert_same(outputs, expected)  # same scores, decoded in smaller groups
         assert limited.requested[0] > 256 and limited.requested[-1] <= 256
-        assert decoder._native.n_cells <= 256
+        assert decoder.kv_cells <= 256
 
 
 def test_a_size_that_failed_is_not_tried_again_for_a_while(
@@ -348,10 +347,10 @@ def test_a_size_that_failed_is_not_tried_again_for_a_while(
         tried = len(limited.requested)
         assert max(limited.requested) > 256
         assert caplog.text.count("at a time instead of 4") == 1
-        kept = decoder._native.ctx
+        created = decoder.stats.contexts
         second = decoder.generate(**inputs, max_new_tokens=100)
         # No failing attempt, and the context that fits (with its KV cache) was kept.
-        assert limited.requested[tried:] == [] and decoder._native.ctx is kept
+        assert limited.requested[tried:] == [] and decoder.stats.contexts == created
         assert_same(second, first)
         assert caplog.text.count("at a time instead of 4") == 1  # reported once
         monkeypatch.setattr(context, "RETRY_FAILED_SIZE_AFTER_S", 0.0)
@@ -372,9 +371,9 @@ def test_context_creation_failure_for_one_sequence_raises_once(
         assert limited.requested == [1024, 512, 256]  # 4, 2 then 1 stream(s) of 256 cells
         with (
             pytest.raises(ContextCreationError, match="256 KV cells"),
-            decoder.session(inputs["prefix"]) as session,
+            decoder.conversation() as conversation,
         ):
-            session.generate(5)
+            conversation.run([Request(inputs["prefix"], 5)])
     monkeypatch.undo()
     with BatchedDecoder(tiny_llm, n_seq_max=4) as decoder:  # nothing sticks once memory is back
         assert decoder.generate(**inputs, max_new_tokens=5)[0].error is None
@@ -388,8 +387,8 @@ def test_a_grown_context_that_does_not_fit_falls_back_to_the_request(
         decoder.generate(**inputs, max_new_tokens=5)  # 4 streams of 256 cells
         limited = LimitedContexts(limit=1024)
         monkeypatch.setattr(llama_cpp, "llama_init_from_model", limited)
-        with decoder.session(inputs["prefix"]) as session:
+        with decoder.conversation() as conversation:
             # needs 512 cells for one sequence: growing the 4 streams to 768 cells (3072: a
             # quarter more, for the conversation's next call) does not fit, one stream of 512 does
-            out = session.generate(400)
+            (out,) = conversation.run([Request(inputs["prefix"], 400)])
         assert out.error is None and limited.requested == [3072, 512]

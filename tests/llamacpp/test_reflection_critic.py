@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from typing import Any
 
@@ -24,6 +25,7 @@ from llama_index.packs.self_rag_rse.self_rag.reflection import (
     REFLECTION_TOKENS,
     RELEVANT,
     RETRIEVAL,
+    SELF_RAG_SPECIAL_TOKENS,
     UTILITY_TOKENS,
 )
 
@@ -57,6 +59,18 @@ def critic(tiny_llm: Any, request: pytest.FixtureRequest) -> Any:
 
 def ids(llm: Any, *texts: str) -> list[int]:
     return [llm.tokenize(t.encode(), add_bos=False, special=True)[0] for t in texts]
+
+
+def answer_of(llm: Any, tokens: list[int]) -> str:
+    """The answer in generated ``tokens`` read from their text, as Self-RAG's own code reads
+    it: the evidence the model quotes (``<paragraph>...</paragraph>``), the Self-RAG strings
+    and the end-of-sequence text removed. An oracle independent of the critic's token filter."""
+    text = llm.detokenize(tokens, special=True).decode("utf-8", errors="ignore")
+    text = re.sub(r"<paragraph>.*?(</paragraph>|$)", "", text, flags=re.S)
+    eos = llm.detokenize([llm.token_eos()], special=True).decode("utf-8", errors="ignore")
+    for string in (*SELF_RAG_SPECIAL_TOKENS, eos):
+        text = text.replace(string, "")
+    return text.strip()
 
 
 def reference_judgement(
@@ -102,7 +116,7 @@ def test_judge_scores_equal_the_full_vocabulary_reference(
         answer, expected = reference_judgement(
             tiny_llm, reference_llm, reference, greedy, QUERIES[0], paragraph, 30
         )
-        assert judgement.answer == critic._answer_text(answer)
+        assert judgement.answer == answer_of(tiny_llm, answer)
         for name, value in expected.items():
             assert getattr(judgement, name) == pytest.approx(value, abs=TOL), name
     # The tiny model emits grounding and utility tokens, so the scores are not trivially zero.
@@ -142,8 +156,7 @@ def test_control_typing_gives_the_same_judgements(
 ) -> None:
     # Same seed, same weights: only the token typing differs (CONTROL tokens are invisible to
     # plain detokenization and to special=False tokenization, USER_DEFINED ones are not).
-    control = ReflectionCritic(tiny_llm_control, max_new_tokens=30, n_seq_max=4)
-    try:
+    with ReflectionCritic(tiny_llm_control, max_new_tokens=30, n_seq_max=4) as control:
         assert control.token_ids == critic.token_ids
         for a, b in zip(
             critic.judge(QUERIES[0], PARAGRAPHS),
@@ -155,8 +168,6 @@ def test_control_typing_gives_the_same_judgements(
         a_gate = critic.decide_retrieval(QUERIES[0], threshold=None)
         b_gate = control.decide_retrieval(QUERIES[0], threshold=None)
         assert (a_gate.retrieve, a_gate.answer) == (b_gate.retrieve, b_gate.answer)
-    finally:
-        control.close()
 
 
 def test_missing_reflection_tokens_raise_a_clear_error(tiny_llm_plain: Any) -> None:
@@ -199,7 +210,7 @@ def test_gate_without_threshold_follows_the_greedy_output(
             # [No Retrieval], not the greedy output that decided.
             forced = [*critic._prompt(query), ids(tiny_llm, NO_RETRIEVAL)[0]]
             answer = greedy(reference_llm, forced, critic.max_new_tokens)
-            assert decision.answer == critic._answer_text(answer) == critic.generate(query)
+            assert decision.answer == answer_of(tiny_llm, answer) == critic.generate(query)
     assert seen == {True, False}, "the tiny model should retrieve for some queries only"
 
 
@@ -209,7 +220,7 @@ def test_generate_answers_after_no_retrieval(
     for query in QUERIES:
         prompt = [*critic._prompt(query), ids(tiny_llm, NO_RETRIEVAL)[0]]
         expected = greedy(reference_llm, prompt, critic.max_new_tokens)
-        assert critic.generate(query) == critic._answer_text(expected)
+        assert critic.generate(query) == answer_of(tiny_llm, expected)
 
 
 def test_answer_text_strips_reflection_tokens_and_quoted_evidence(
@@ -234,13 +245,10 @@ def test_documents_cannot_inject_reflection_tokens(critic: ReflectionCritic) -> 
 
 
 def test_long_paragraph_is_truncated_with_a_warning(tiny_llm: Any) -> None:
-    small = ReflectionCritic(tiny_llm, max_new_tokens=10, n_ctx=96)
-    try:
+    with ReflectionCritic(tiny_llm, max_new_tokens=10, n_ctx=96) as small:
         with pytest.warns(UserWarning, match="truncated"):
             (judgement,) = small.judge(QUERIES[0], ["lorem ipsum " * 100])
         assert judgement.error is None and judgement.seq_score is not None
-    finally:
-        small.close()
 
 
 def test_failed_paragraph_keeps_the_others(

@@ -10,6 +10,7 @@ import pytest
 from corpus import CORPUS, corpus_documents, qdrant_index
 from llama_index.core.schema import NodeRelationship, RelatedNodeInfo, TextNode
 from llama_index.core.storage.docstore import SimpleDocumentStore
+from text_strategies import same_but_whitespace
 
 
 @pytest.fixture(scope="session")
@@ -81,13 +82,6 @@ def split() -> Callable[..., list[Any]]:
         return splitter.get_nodes_from_documents(corpus_documents((name,)))
 
     return run
-
-
-def same_but_whitespace(a: str, b: str) -> bool:
-    """Equal, except where both have whitespace (a refilled stripped gap may differ in kind)."""
-    return len(a) == len(b) and all(
-        x == y or (x.isspace() and y.isspace()) for x, y in zip(a, b, strict=True)
-    )
 
 
 @pytest.fixture(scope="session")

@@ -8,11 +8,28 @@ import numpy as np
 import pytest
 
 from llama_index.packs.self_rag_rse.rse.budget import (
-    _extra_cost,
+    MAX_BUDGET,
     fill_budget,
     find_budgeted_segments,
-    segment_cost,
 )
+
+
+def segment_cost(start, end, first, step):
+    """What segment ``[start, end)`` costs: its first chunk's first cost plus the steps."""
+    return int(first[start]) + int(sum(int(c) for c in step[start + 1 : end]))
+
+
+def runs_of(taken, splits):
+    """The runs of taken chunks, broken at document starts."""
+    runs, start = [], None
+    for p in range(len(taken) + 1):
+        inside = p < len(taken) and taken[p]
+        if start is not None and (not inside or p in splits):
+            runs.append((start, p))
+            start = None
+        if inside and start is None:
+            start = p
+    return runs
 
 
 def brute_force(values, splits, first, step, budget, max_length, minimum_value):
@@ -100,20 +117,20 @@ def test_fill_never_exceeds_and_never_duplicates(seed):
     budget = int(rng.integers(0, 3000))
     segments, _ = find_budgeted_segments(values, splits, first, step, budget, 5, 0.4)
     candidates = [int(p) for p in rng.permutation(n)[: int(rng.integers(0, n + 1))]]
-    runs = fill_budget(segments, values, splits, first, step, budget, candidates)
+    runs = fill_budget(segments, values, splits, first, step, budget, candidates, max_length=5)
     covered = [p for s, e in runs for p in range(s, e)]
     assert len(covered) == len(set(covered))  # no chunk (and so no overlap text) twice
     assert sum(segment_cost(s, e, first, step) for s, e in runs) <= budget
     for s, e in segments:  # the phase-1 segments are kept
         assert any(rs <= s and e <= re for rs, re in runs)
-    spent = sum(segment_cost(s, e, first, step) for s, e in runs)
-    taken = np.zeros(n, dtype=bool)
-    taken[covered] = True
-    walls = np.zeros(n + 1, dtype=bool)
-    walls[[0, *splits]] = True
-    for p in candidates:  # a candidate left out does not fit even now
+    taken = [p in covered for p in range(n)]
+    assert all(e - s <= 5 for s, e in runs)
+    for p in candidates:  # a candidate left out does not fit, or would make a run too long
         if not taken[p]:
-            assert _extra_cost(p, taken, walls, first, step) > budget - spent
+            with_p = [t or q == p for q, t in enumerate(taken)]
+            runs_with_p = runs_of(with_p, splits)
+            cost = sum(segment_cost(s, e, first, step) for s, e in runs_with_p)
+            assert cost > budget or any(e - s > 5 for s, e in runs_with_p)
 
 
 def test_fill_joins_neighbours_and_bridges():
@@ -121,10 +138,19 @@ def test_fill_joins_neighbours_and_bridges():
     first = np.array([110, 110, 110, 110, 110])
     step = np.array([100, 100, 100, 100, 100])
     # Segment [0, 1) chosen; chunk 2 and 3 are candidates; 1 bridges 0 and 2.
-    runs = fill_budget([(0, 1)], values, [5], first, step, 310, [1, 2, 3])
+    runs = fill_budget([(0, 1)], values, [5], first, step, 310, [1, 2, 3], max_length=5)
     # 2 first (best value): a new segment, 110; then 3 joins it (100): 320 > 310, so it is
     # skipped; 1 bridges: 100 + (100 - 110) = 90 -> total 110 + 110 + 90 = 310.
     assert runs == [(0, 3)]
+
+
+def test_fill_keeps_every_run_within_max_length():
+    values = np.array([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+    cost = [10] * 6
+    runs = fill_budget([], values, [6], cost, cost, 1000, list(range(6)), max_length=2)
+    assert runs == [(0, 2), (3, 5)]  # chunks 2 and 5 would make runs of three
+    runs = fill_budget([(0, 2)], values, [6], cost, cost, 1000, [2, 3], max_length=2)
+    assert runs == [(0, 2), (3, 4)]
 
 
 def test_a_strong_isolated_hit_is_a_one_chunk_segment():
@@ -172,3 +198,27 @@ def test_bad_input_is_named(kwargs, message):
     arguments.update(kwargs)
     with pytest.raises(ValueError, match=message):
         find_budgeted_segments(**arguments)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_budget_beyond_every_choice_changes_nothing_and_costs_no_memory(seed):
+    """The search's arrays grow with the budget only up to what the candidates can cost: the
+    largest budget returns what the exact cost of everything returns, in little memory."""
+    import tracemalloc
+
+    rng = np.random.default_rng(seed)
+    n = 40
+    values = np.round(rng.uniform(-0.3, 1.0, n), 3)
+    first = rng.integers(50, 400, n)
+    step = first - rng.integers(0, 40, n)
+    splits = [15, 28, n]
+    enough = int(first.sum())
+    expected = find_budgeted_segments(values, splits, first, step, enough, 6, 0.2)
+    tracemalloc.start()
+    found = find_budgeted_segments(values, splits, first, step, MAX_BUDGET, 6, 0.2)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert found == expected
+    # (sum of costs + 1) cells * (8 bytes * (max_length + 6) + 1 byte per end): < 2 MB;
+    # a search sized to MAX_BUDGET would hold 80 MB per state.
+    assert peak < 2_000_000

@@ -172,11 +172,55 @@ def test_unplaced_nodes_fit_the_budget_or_are_left_out_visibly(doc_nodes, docsto
         ({"max_context_chars": 10**9}, "at most"),
         ({"max_context_chars": 3000, "output": "chunks"}, "needs output='segments'"),
         ({"max_context_tokens": 300, "tokenizer": 5}, "tokenizer must be a callable"),
+        ({"max_context_chars": True}, "max_context_chars must be a positive integer, got True"),
+        ({"max_context_tokens": True}, "max_context_tokens must be a positive integer, got True"),
+        ({"max_context_chars": False}, "max_context_chars must be a positive integer, got False"),
+        ({"max_context_tokens": 3_000_000}, "max_context_tokens must be at most 2,500,000 tokens"),
+        ({"tokenizer": str.split}, "tokenizer counts max_context_tokens, which is not set"),
+        ({"max_context_chars": 3000, "tokenizer": str.split}, "pass max_context_tokens"),
     ],
 )
 def test_bad_budgets_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RelevantSegmentPostprocessor(**kwargs)
+
+
+def test_budget_options_are_checked_when_set_after_construction():
+    rse = RelevantSegmentPostprocessor(max_context_chars=3000)
+    with pytest.raises(ValueError, match="needs output='segments'"):
+        rse.output = "chunks"
+    with pytest.raises(ValueError, match="max_context_chars must be a positive integer"):
+        rse.max_context_chars = True
+    with pytest.raises(ValueError, match="tokenizer counts max_context_tokens"):
+        rse.tokenizer = str.split
+    rse.max_context_tokens = 500
+    rse.tokenizer = str.split  # now it counts something
+
+
+def test_the_largest_token_budget_runs_whatever_the_tokenizer(doc_nodes, docstore_with):
+    """The bound is checked at construction in tokens; a query never meets the search's own
+    bound, even where a token is far longer than the default estimate's four characters."""
+    nodes = doc_nodes("d", 6, text_len=100)
+    rse = RelevantSegmentPostprocessor(
+        docstore=docstore_with(nodes), max_context_tokens=2_500_000, tokenizer=str.split
+    )
+    result = rse.postprocess_nodes([NodeWithScore(node=nodes[2], score=0.9)])
+    assert [item.node.get_content() for item in result] == [nodes[2].get_content()]
+
+
+@pytest.mark.parametrize("max_length", [1, 3])
+def test_max_length_bounds_every_segment_under_a_budget(doc_nodes, docstore_with, max_length):
+    """Twelve adjacent hits and room for all: no segment is longer than max_length, the fill
+    included, and none repeats text (segments never touch)."""
+    nodes = doc_nodes("d", 12, text_len=100)
+    hits = [NodeWithScore(node=n, score=0.9 - i / 100) for i, n in enumerate(nodes)]
+    rse = RelevantSegmentPostprocessor(
+        docstore=docstore_with(nodes), max_length=max_length, max_context_chars=100_000
+    )
+    segments = rse.extract(hits).segments
+    assert segments and all(s.end - s.start <= max_length for s in segments)
+    spans = sorted((s.start, s.end) for s in segments)
+    assert all(right[0] > left[1] for left, right in itertools.pairwise(spans))
 
 
 def test_offsets_cost_a_segment_exactly_before_its_gap_is_read(doc_nodes, docstore_with):
@@ -238,3 +282,61 @@ def test_async_equals_sync_under_a_budget(indexed):
     asynchronous = asyncio.run(rse.apostprocess_nodes(hits))
     assert [n.node.get_content() for n in asynchronous] == [n.node.get_content() for n in sync]
     assert llm_chars(asynchronous) <= 2500
+
+
+def test_a_wrong_token_estimate_drops_then_refills(doc_nodes, docstore_with):
+    """The search spends characters at the hits' average characters per token; where one hit
+    is far denser in tokens, the nodes built overrun the token limit. The correction drops the
+    least valuable segments until the rest fits, then adds back the best hits that fit alone."""
+    nodes = doc_nodes("d", 6, text_len=100)
+    for node, fill in zip(nodes, "xyyyyy", strict=True):
+        node.set_content(fill * 100)  # 'x' costs a token a character, 'y' one per 50
+
+    def tokens(text: str) -> list[str]:
+        return [c for c in text if c == "x"] + ["y"] * (text.count("y") // 50)
+
+    hits = [
+        NodeWithScore(node=nodes[0], score=0.9),
+        NodeWithScore(node=nodes[2], score=0.5),
+        NodeWithScore(node=nodes[4], score=0.45),
+    ]
+    rse = RelevantSegmentPostprocessor(
+        docstore=docstore_with(nodes), calibration="raw", max_context_tokens=60, tokenizer=tokens
+    )
+    result = rse.postprocess_nodes(hits)
+    assert (
+        sum(len(tokens(n.node.get_content(metadata_mode=MetadataMode.LLM))) for n in result) <= 60
+    )
+    assert [n.node.get_content() for n in result] == ["y" * 100, "y" * 100]
+
+
+def test_keep_top_hits_never_trades_the_best_hit_for_a_run_of_neighbours(doc_nodes, docstore_with):
+    """A run of four slightly weaker hits in one document fills the budget exactly and is
+    worth more than the best hit with two of them: the search takes the run and the best hit
+    is lost (keep_top_hits=0). The default, keep_top_hits=1, keeps it and spends what is left
+    on the run."""
+    best = doc_nodes("a", 1, text_len=150)
+    run = doc_nodes("b", 4, text_len=100)
+    hits = [NodeWithScore(node=best[0], score=0.6)] + [
+        NodeWithScore(node=node, score=0.59) for node in run
+    ]
+    store = docstore_with(best + run)
+    options = {"calibration": "raw", "max_context_chars": 400}
+    plain = RelevantSegmentPostprocessor(
+        docstore=store, keep_top_hits=0, **options
+    ).postprocess_nodes(hits)
+    kept = RelevantSegmentPostprocessor(docstore=store, **options).postprocess_nodes(hits)
+    assert [n.node.metadata["segment_document_id"] for n in plain] == ["b"]
+    assert sorted(n.node.metadata["segment_document_id"] for n in kept) == ["a", "b"]
+    assert best[0].get_content() in [n.node.get_content() for n in kept]
+    assert llm_chars(kept) <= 400
+
+
+def test_keep_top_hits_must_be_a_count():
+    with pytest.raises(ValueError, match="keep_top_hits"):
+        RelevantSegmentPostprocessor(keep_top_hits=-1)
+    rse = RelevantSegmentPostprocessor(max_context_chars=3000)
+    assert rse.keep_top_hits == 1
+    with pytest.raises(ValueError, match="keep_top_hits"):
+        rse.keep_top_hits = -2
+    assert rse.keep_top_hits == 1

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import itertools
 import math
+import sys
 import warnings
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -15,14 +19,15 @@ from llama_index.packs.self_rag_rse.rse.calibration import (
     CALIBRATIONS,
     COHERE_RERANK_BETA,
     DEFAULT_COSINE_RANGE,
+    RANK_ONLY_RELEVANCE,
     VOYAGE_RERANK_BETA,
-    BetaParams,
     beta_cdf,
     calibrate,
     calibrate_beta,
     calibrate_cosine_adaptive,
     calibrate_minmax,
     calibrate_spread,
+    calibrate_zscore,
 )
 
 SHAPES = [
@@ -135,19 +140,35 @@ def test_calibrate_beta_clips_then_maps() -> None:
     assert isinstance(calibrate_beta(0.7, *VOYAGE_RERANK_BETA), float)
 
 
-def test_calibrate_beta_matches_dsrag_transforms() -> None:
-    import scipy.stats as stats
+@pytest.fixture(scope="module")
+def dsrag_reranker() -> ModuleType:
+    """dsRAG 0.5.6's reranker.py, loaded by path with its API-client imports stubbed (the
+    transforms need only scipy; the package's __init__ pulls heavy dependencies)."""
+    path = importlib.metadata.distribution("dsrag").locate_file("dsrag/reranker.py")
+    clients = ModuleType("dsrag.utils.imports")
+    clients.cohere = clients.voyageai = None  # type: ignore[attr-defined]
+    stubs = {"dsrag": ModuleType("dsrag"), "dsrag.utils": ModuleType("dsrag.utils")}
+    stubs["dsrag.utils.imports"] = clients
+    spec = importlib.util.spec_from_file_location("dsrag_reranker_oracle", str(path))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    with pytest.MonkeyPatch.context() as patch:
+        for name, stub in stubs.items():
+            patch.setitem(sys.modules, name, stub)
+        spec.loader.exec_module(module)
+    return module
 
+
+def test_calibrate_beta_matches_dsrag_transforms(dsrag_reranker: ModuleType) -> None:
+    """Our Beta CDF with our constants against dsRAG's own reranker transforms (scipy)."""
     scores = np.linspace(0.0, 1.0, 201)
-    for params in (COHERE_RERANK_BETA, VOYAGE_RERANK_BETA):
-        expected = stats.beta.cdf(scores, params.a, params.b)
-        np.testing.assert_allclose(calibrate_beta(scores, *params), expected, atol=1e-9)
-
-
-def test_reranker_constants_are_dsrags() -> None:
-    assert (COHERE_RERANK_BETA.a, COHERE_RERANK_BETA.b) == (0.4, 0.4)
-    assert (VOYAGE_RERANK_BETA.a, VOYAGE_RERANK_BETA.b) == (0.5, 1.8)
-    assert isinstance(COHERE_RERANK_BETA, BetaParams)
+    for name, params in (
+        ("CohereReranker", COHERE_RERANK_BETA),
+        ("VoyageReranker", VOYAGE_RERANK_BETA),
+    ):
+        theirs = getattr(dsrag_reranker, name).transform(None, scores)
+        np.testing.assert_allclose(calibrate_beta(scores, *params), theirs, atol=1e-9)
+        np.testing.assert_allclose(calibrate(name[:6].lower(), scores), theirs, atol=1e-9)
 
 
 def test_calibrate_minmax() -> None:
@@ -228,11 +249,14 @@ def test_calibrate_dispatches_by_name():
         "cohere",
         "cosine",
         "cosine_adaptive",
+        "rank",
         "raw",
         "spread",
         "voyage",
+        "zscore",
     ]
     np.testing.assert_array_equal(calibrate("spread", scores), calibrate_spread(scores))
+    np.testing.assert_array_equal(calibrate("zscore", scores), calibrate_zscore(scores))
     np.testing.assert_array_equal(
         calibrate("cosine_adaptive", scores),
         calibrate_cosine_adaptive(scores, *DEFAULT_COSINE_RANGE),
@@ -269,3 +293,36 @@ def test_minmax_takes_scores_at_the_float_limit_without_a_warning():
         warnings.simplefilter("error")
         scaled = calibrate_minmax(np.array([1.7e308, -1.7e308, 0.3]), 0.1, 0.5)
     np.testing.assert_allclose(scaled, [1.0, 0.0, 0.5])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.floats(-1, 1), min_size=2, max_size=40),
+    scale=st.floats(0.1, 10),
+    shift=st.floats(-5, 5),
+)
+def test_zscore_is_per_query_and_ignores_the_embedders_scale(values, scale, shift) -> None:
+    """The mean hit counts 0, a hit two deviations above it 1; scale and offset do not matter."""
+    scores = np.array(values)
+    out = calibrate_zscore(scores)
+    assert np.all((out >= 0.0) & (out <= 1.0))
+    order = np.argsort(scores, kind="stable")
+    assert np.all(np.diff(out[order]) >= 0.0)
+    if scores.std() > 1e-6:
+        assert np.all(out[scores <= scores.mean()] == 0.0)
+        expected = np.clip((scores - scores.mean()) / (2 * scores.std()), 0, 1)
+        np.testing.assert_allclose(out, expected, atol=1e-9)
+        np.testing.assert_allclose(calibrate_zscore(scores * scale + shift), out, atol=1e-6)
+
+
+def test_zscore_edge_cases() -> None:
+    np.testing.assert_array_equal(calibrate_zscore(np.array([0.4, 0.4])), [1.0, 1.0])
+    np.testing.assert_allclose(
+        calibrate_zscore(np.array([np.inf, 0.2, 0.4, -np.inf])), [1.0, 0.0, 0.5, 0.0]
+    )
+
+
+def test_rank_only_gives_every_hit_the_same_relevance() -> None:
+    out = calibrate("rank", np.array([0.9, 0.1, -0.3]))
+    np.testing.assert_array_equal(out, [RANK_ONLY_RELEVANCE] * 3)
+    assert RANK_ONLY_RELEVANCE == 0.8  # dsRAG's ignore_absolute_relevance

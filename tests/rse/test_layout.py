@@ -34,9 +34,7 @@ def test_lay_out_from_a_docstore_record(split, docstore_with):
     store = docstore_with(nodes)
     store.delete_document(nodes[3].node_id)
     source = ChunkSource(docstore=store)
-    layouts = drive(
-        lay_out({"execmodel": [nodes[2], nodes[4]]}, source, "chunk_index", 100), source.run
-    )
+    layouts = drive(lay_out({"execmodel": [nodes[2], nodes[4]]}, source, 100), source.run)
     layout = layouts["execmodel"]
     assert layout.order == "docstore" and layout.fetchable
     assert layout.positions[nodes[2].node_id] == 2
@@ -51,7 +49,7 @@ def test_lay_out_without_store_uses_links_and_skips_the_unorderable(split):
     bare.id_ = "bare"
     source = ChunkSource()
     docs = {"execmodel": [nodes[2], nodes[3]], "other": [bare]}
-    layouts = drive(lay_out(docs, source, "chunk_index", 100), source.run)
+    layouts = drive(lay_out(docs, source, 100), source.run)
     assert set(layouts) == {"execmodel"} and layouts["execmodel"].renumbered
     assert not layouts["execmodel"].fetchable and source.calls == 0
 
@@ -122,7 +120,7 @@ def test_two_hits_with_one_index_the_better_ranked_is_placed(doc_nodes):
     stale.id_ = "stale-2"
     source = ChunkSource()
     docs = {"doc": [nodes[2], stale, nodes[3]]}  # best first
-    layout = drive(lay_out(docs, source, "chunk_index", 100), source.run)["doc"]
+    layout = drive(lay_out(docs, source, 100), source.run)["doc"]
     assert layout.held[2] is nodes[2] and layout.conflicts == [stale]
     (hole,) = layout.holes
     assert (hole.left, hole.right) == (2, 2) and "both claim chunk index 2" in hole.reason

@@ -96,9 +96,9 @@ def test_by_version_groups_a_documents_nodes_by_the_hits_versions(split):
     old, new = versioned(nodes[:5], "v1"), versioned(nodes[:4], "v2")
     interleaved = document_order(old + new)  # sorted by offset: both copies at every offset
     assert {n.metadata["chunk_version"] for n in interleaved[:2]} == {"v1", "v2"}
-    grouped = by_version(interleaved, [new[1]], "chunk_version")
+    grouped = by_version(interleaved, [new[1]])
     assert grouped == new  # only the hits' version, in order
-    both = by_version(interleaved, [new[1], old[0]], "chunk_version")
+    both = by_version(interleaved, [new[1], old[0]])
     assert both == new + old
 
 

@@ -359,8 +359,6 @@ def test_huge_document_reads_only_what_segments_need(doc_nodes):
 def test_unknown_preset_and_bad_lengths():
     with pytest.raises(ValueError, match="balanced"):
         RelevantSegmentPostprocessor(preset="fast")
-    with pytest.raises(ValueError, match="max_length"):
-        RelevantSegmentPostprocessor(max_length=0)
     with pytest.raises(ValueError, match="calibration"):
         RelevantSegmentPostprocessor(calibration="softmax")
 
@@ -439,9 +437,11 @@ def test_documents_helper_round_trip():
     assert len(result[0].node.get_content()) == end - start
 
 
-def test_old_import_path_keeps_the_types():
-    assert Segment.__module__.endswith("rse.types")
-    assert SegmentExtraction.__module__.endswith("rse.types")
+def test_the_public_name_is_the_result_type():
+    import llama_index.packs.self_rag_rse as pack
+
+    assert pack.SegmentExtraction is SegmentExtraction
+    assert type(pack.RelevantSegmentPostprocessor().extract([])) is SegmentExtraction
 
 
 # -- options: misspelt and non-finite values are errors ------------------------------------------
@@ -468,6 +468,54 @@ def test_unknown_option_names_itself_and_the_closest_valid_one():
 def test_non_finite_options_are_errors(option, value, named):
     with pytest.raises(ValueError, match=named):
         RelevantSegmentPostprocessor(**{option: value})
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("max_length", 0, "max_length must be a positive integer"),
+        ("max_length", True, "max_length must be a positive integer, got True"),
+        ("overall_max_length", False, "overall_max_length must be a positive integer"),
+        ("top_k_for_document_selection", -1, "top_k_for_document_selection must be"),
+        ("max_document_chunks", True, "max_document_chunks must be a positive integer"),
+        ("preset", "fast", "balanced"),
+        ("calibration", "softmax", "calibration"),
+        ("minimum_value", math.nan, "minimum_value"),
+        ("cosine_range", (0.5, 0.1), "cosine_range"),
+    ],
+)
+def test_options_are_checked_when_set_after_construction(option, value, message):
+    rse = RelevantSegmentPostprocessor()
+    with pytest.raises(ValueError, match=message):
+        setattr(rse, option, value)
+    with pytest.raises(ValueError, match=message):
+        RelevantSegmentPostprocessor(**{option: value})
+
+
+def test_a_valid_option_set_after_construction_takes_effect(doc_nodes, docstore_with):
+    nodes = doc_nodes("d", 8)
+    hits = [NodeWithScore(node=n, score=0.9) for n in nodes]
+    rse = RelevantSegmentPostprocessor(docstore=docstore_with(nodes), calibration="raw")
+    assert [(s.start, s.end) for s in rse.extract(hits).segments] == [(0, 8)]
+    rse.max_length = 3
+    assert all(s.end - s.start <= 3 for s in rse.extract(hits).segments)
+
+
+def test_segment_ids_name_what_they_hold(doc_nodes):
+    """Without a store, positions come from links among one call's hits (every call numbers
+    from 0); a segment's id still names its chunks: different chunks, different ids; the same
+    chunks, the same id on every call."""
+    nodes = doc_nodes("d", 12, indexed=False)
+    rse = RelevantSegmentPostprocessor(calibration="raw")
+
+    def ids(*picks: int) -> list[str]:
+        hits = [NodeWithScore(node=nodes[i], score=0.9) for i in picks]
+        return [item.node.node_id for item in rse.postprocess_nodes(hits)]
+
+    early, late = ids(3, 4), ids(10, 11)
+    assert len(early) == len(late) == 1 and early != late
+    assert ids(3, 4) == early
+    assert set(ids(3, 4, 10, 11)) == {*early, *late}
 
 
 def test_nan_score_next_to_a_missing_score_is_an_error(doc_nodes):
@@ -562,7 +610,7 @@ def test_segment_split_at_a_hole_found_only_when_stitching(doc_nodes):
     for node in members:
         node.relationships.pop(NodeRelationship.NEXT, None)
         node.relationships.pop(NodeRelationship.PREVIOUS, None)
-    parts = segment_nodes(Segment("doc", 0, 4, 2.0, members, (0, 4)), "chunk_index")
+    parts = segment_nodes(Segment("doc", 0, 4, 2.0, members, (0, 4)))
     assert [p.metadata["segment_node_ids"] for p in parts] == [
         ["doc-0", "doc-1"],
         ["doc-2", "doc-3"],

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 import uuid
 import warnings
 
@@ -191,9 +190,7 @@ def test_a_huge_chunk_index_costs_no_more_than_a_small_one(doc_nodes, huge):
             return [nodes[i] for i in wanted if i < 3]
 
     rse = RelevantSegmentPostprocessor(vector_store=IndexedStore(), calibration="raw")
-    started = time.perf_counter()
     extraction = rse.extract(scored((nodes[0], 0.9), (nodes[2], 0.9), (nodes[3], 0.9)))
-    assert time.perf_counter() - started < 2.0
     assert sorted((s.start, s.end) for s in extraction.segments) == [(0, 3), (huge, huge + 1)]
     assert len(extraction.values) < 40  # positions near the hits only
     (only,) = requests

@@ -7,15 +7,15 @@ import threading
 
 import pytest
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
-from retrievers import PARAGRAPHS, FixedRetriever
+from retrievers import PARAGRAPHS, FixedRetriever, make_nodes
 
 from llama_index.packs.self_rag_rse import SelfRAGPack, SelfRAGQueryEngine
 from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
 
 
 @pytest.fixture
-def engine(tiny_llm):
-    return SelfRAGQueryEngine(llm=tiny_llm, retriever=FixedRetriever(), mode="always_retrieve")
+def engine(make_engine):
+    return make_engine()
 
 
 def test_response_contract(engine, tiny_llm):
@@ -46,16 +46,8 @@ def test_response_contract(engine, tiny_llm):
         assert p["answer"] == j.answer
 
 
-def test_weights_and_seqscore_change_the_ranking_formula(tiny_llm):
-    engine = SelfRAGQueryEngine(
-        llm=tiny_llm,
-        retriever=FixedRetriever(),
-        mode="always_retrieve",
-        w_rel=0.0,
-        w_sup=2.0,
-        w_use=1.0,
-        use_seqscore=True,
-    )
+def test_weights_and_seqscore_change_the_ranking_formula(make_engine):
+    engine = make_engine(w_rel=0.0, w_sup=2.0, w_use=1.0, use_seqscore=True)
     meta = engine.query("for loops?").metadata["self_rag"]
     for p in meta["paragraphs"]:
         assert p["seq_score"] is not None and 0.0 < p["seq_score"] <= 1.0
@@ -64,19 +56,23 @@ def test_weights_and_seqscore_change_the_ranking_formula(tiny_llm):
 
 def test_drop_in_positional_constructor_and_generate_kwargs(tiny_gguf_paths):
     retriever = FixedRetriever()
-    engine = SelfRAGQueryEngine(
+    with SelfRAGQueryEngine(
         str(tiny_gguf_paths["user_defined"]),
         retriever,
         False,
-        {"n_ctx": 1024, "n_threads": 2},
+        {"n_ctx": 512, "n_threads": 2},
         {"max_tokens": 12, "temperature": 0.0},
-    )
-    assert engine.critic.name == "reflection"
-    assert engine.max_new_tokens == 12
-    assert engine.query("anything").response is not None
+    ) as engine:
+        assert engine.critic.name == "reflection" and engine.verbose is False
+        # model_kwargs reach the model; generate_kwargs' max_tokens bounds every answer.
+        assert engine.critic.llm.n_ctx() == 512  # type: ignore[attr-defined]
+        assert engine.max_new_tokens == engine.critic.max_new_tokens == 12  # type: ignore[attr-defined]
+        engine.mode = "always_retrieve"
+        meta = engine.query("anything").metadata["self_rag"]
+        assert retriever.queries == ["anything"] and len(meta["paragraphs"]) == 3
 
 
-def test_llamacpp_wrapper_is_accepted(tiny_gguf_paths):
+def test_llamacpp_wrapper_is_accepted(tiny_gguf_paths, make_engine, request):
     from llama_index.llms.llama_cpp import LlamaCPP
 
     llm = LlamaCPP(
@@ -84,24 +80,25 @@ def test_llamacpp_wrapper_is_accepted(tiny_gguf_paths):
         model_kwargs={"n_ctx": 1024, "n_threads": 2},
         verbose=False,
     )
-    engine = SelfRAGQueryEngine(llm=llm, retriever=FixedRetriever(), mode="always_retrieve")
+    request.addfinalizer(llm._model.close)
+    engine = make_engine(llm=llm)
     assert engine.critic.name == "reflection"  # CONTROL-typed reflection tokens still work
     meta = engine.query("while?").metadata["self_rag"]
     assert len(meta["paragraphs"]) == 3
     assert all(0.0 <= p["relevance"] <= 1.0 for p in meta["paragraphs"])
 
 
-def test_modes_and_threshold_gate(tiny_llm):
+def test_modes_and_threshold_gate(make_engine):
     retriever = FixedRetriever()
-    never = SelfRAGQueryEngine(llm=tiny_llm, retriever=retriever, mode="no_retrieval")
+    never = make_engine(retriever=retriever, mode="no_retrieval")
     response = never.query("q")
     assert response.metadata["self_rag"]["retrieve"] is False and response.source_nodes == []
     assert retriever.queries == []
 
-    always_gate = SelfRAGQueryEngine(llm=tiny_llm, retriever=retriever, threshold=0.0)
+    always_gate = make_engine(retriever=retriever, mode="adaptive_retrieval", threshold=0.0)
     meta = always_gate.query("q").metadata["self_rag"]
     assert meta["retrieve"] is True and 0.0 < meta["retrieve_prob"] < 1.0
-    never_gate = SelfRAGQueryEngine(llm=tiny_llm, retriever=retriever, threshold=1.0)
+    never_gate = make_engine(retriever=retriever, mode="adaptive_retrieval", threshold=1.0)
     meta = never_gate.query("q").metadata["self_rag"]
     assert meta["retrieve"] is False and meta["paragraphs"] == []
     # The gate compares the same probability both times.
@@ -110,8 +107,8 @@ def test_modes_and_threshold_gate(tiny_llm):
     )
 
 
-def test_bad_input_is_named(tiny_llm, tiny_llm_plain):
-    engine = SelfRAGQueryEngine(llm=tiny_llm, retriever=FixedRetriever())
+def test_bad_input_is_named(tiny_llm, tiny_llm_plain, make_engine):
+    engine = make_engine()
     with pytest.raises(ValueError, match="query is empty"):
         engine.query("   ")
     with pytest.raises(ValueError, match="retriever"):
@@ -124,8 +121,8 @@ def test_bad_input_is_named(tiny_llm, tiny_llm_plain):
         SelfRAGQueryEngine(llm=tiny_llm, retriever=FixedRetriever(), threshold=2.0)
 
 
-def test_empty_retrieval_answers_without_evidence(tiny_llm):
-    engine = SelfRAGQueryEngine(llm=tiny_llm, retriever=FixedRetriever([]), mode="always_retrieve")
+def test_empty_retrieval_answers_without_evidence(make_engine):
+    engine = make_engine(retriever=FixedRetriever([]))
     response = engine.query("q")
     meta = response.metadata["self_rag"]
     assert meta["retrieve"] is False and meta["best"] is None
@@ -133,23 +130,14 @@ def test_empty_retrieval_answers_without_evidence(tiny_llm):
     assert response.source_nodes == []
 
 
-def test_node_postprocessors_run_before_the_critic(tiny_llm):
+def test_node_postprocessors_run_before_the_critic(make_engine):
     class KeepFirst(BaseNodePostprocessor):
         def _postprocess_nodes(self, nodes, query_bundle=None):
             return nodes[:1]
 
-    engine = SelfRAGQueryEngine(
-        llm=tiny_llm,
-        retriever=FixedRetriever(),
-        mode="always_retrieve",
-        node_postprocessors=[KeepFirst()],
-    )
-    meta = engine.query("q").metadata["self_rag"]
+    meta = make_engine(node_postprocessors=[KeepFirst()]).query("q").metadata["self_rag"]
     assert [p["node_id"] for p in meta["paragraphs"]] == ["p-while"]
-    engine_ndocs = SelfRAGQueryEngine(
-        llm=tiny_llm, retriever=FixedRetriever(), mode="always_retrieve", ndocs=2
-    )
-    assert len(engine_ndocs.query("q").metadata["self_rag"]["paragraphs"]) == 2
+    assert len(make_engine(ndocs=2).query("q").metadata["self_rag"]["paragraphs"]) == 2
 
 
 def test_aquery_and_concurrent_queries_agree(engine):
@@ -174,6 +162,33 @@ def test_aquery_and_concurrent_queries_agree(engine):
     assert [results[i] for i in range(3)] == serial
 
 
+class SyncOnly:
+    """A retriever with a blocking ``retrieve()`` and nothing async, as many custom ones are."""
+
+    def __init__(self) -> None:
+        self.queries: list[str] = []
+
+    def retrieve(self, query_bundle):
+        self.queries.append(query_bundle.query_str)
+        return make_nodes()
+
+
+def test_a_sync_only_retriever_works_in_and_out_of_a_running_loop(make_engine):
+    retriever = SyncOnly()
+    engine = make_engine(retriever=retriever)
+    outside = engine.query("while?")
+
+    async def notebook_cell():  # a notebook runs its cells while its event loop runs
+        return engine.query("while?")
+
+    inside = asyncio.run(notebook_cell())
+    assert retriever.queries == ["while?", "while?"]
+    assert str(inside) == str(outside)
+    assert [s.node.node_id for s in inside.source_nodes] == [
+        s.node.node_id for s in outside.source_nodes
+    ]
+
+
 def test_query_events_are_emitted(engine, events):
     engine.query("q")
     assert "QueryStartEvent" in events and "QueryEndEvent" in events
@@ -183,22 +198,20 @@ def test_pack_and_legacy_import_path(tiny_gguf_paths):
     from llama_index.packs.self_rag_rse.base import SelfRAGQueryEngine as Legacy
 
     assert Legacy is SelfRAGQueryEngine
-    pack = SelfRAGPack(
+    with SelfRAGPack(
         str(tiny_gguf_paths["user_defined"]),
         FixedRetriever(),
         model_kwargs={"n_ctx": 1024, "n_threads": 2},
         mode="always_retrieve",
         ndocs=1,
-    )
-    modules = pack.get_modules()
-    assert modules["query_engine"].ndocs == 1  # kwargs reach the engine (upstream drops them)
-    assert modules["critic"].name == "reflection"
-    assert len(pack.run("q").metadata["self_rag"]["paragraphs"]) == 1
+    ) as pack:
+        modules = pack.get_modules()
+        assert modules["query_engine"].ndocs == 1  # kwargs reach the engine (upstream drops them)
+        assert modules["critic"].name == "reflection"
+        assert len(pack.run("q").metadata["self_rag"]["paragraphs"]) == 1
 
 
-def test_verbose_prints_a_table(tiny_llm, capsys):
-    SelfRAGQueryEngine(
-        llm=tiny_llm, retriever=FixedRetriever(), mode="always_retrieve", verbose=True
-    ).query("q")
+def test_verbose_prints_a_table(make_engine, capsys):
+    make_engine(verbose=True).query("q")
     out = capsys.readouterr().out
     assert "rel" in out and "sup" in out and "p-while" in out

@@ -22,9 +22,12 @@ from llama_index.packs.self_rag_rse.common.notes import record_note
     ("option", "closest"),
     [("treshold", "threshold"), ("w_rell", "w_rel"), ("max_new_token", "max_new_tokens")],
 )
-def test_unknown_option_names_the_closest_valid_one(tiny_llm, option, closest):
+def test_unknown_option_names_the_closest_valid_one(make_engine, option, closest):
     with pytest.raises(TypeError, match=rf"'{option}' \(did you mean '{closest}'\?\)"):
-        SelfRAGQueryEngine(llm=tiny_llm, retriever=FixedRetriever(), **{option: 0.2})
+        make_engine(**{option: 0.2})
+    engine = make_engine()
+    with pytest.raises(TypeError, match=rf"'{option}' \(did you mean '{closest}'\?\)"):
+        setattr(engine, option, 0.2)  # a misspelt option set later is refused too
 
 
 def test_unknown_option_through_the_pack(tiny_gguf_paths):
@@ -34,33 +37,71 @@ def test_unknown_option_through_the_pack(tiny_gguf_paths):
 
 @pytest.mark.parametrize("name", ["w_rel", "w_sup", "w_use", "support_threshold"])
 @pytest.mark.parametrize("value", [math.nan, math.inf])
-def test_non_finite_weights_are_rejected(tiny_llm, name, value):
+def test_non_finite_weights_are_rejected(make_engine, name, value):
     with pytest.raises(ValueError, match=f"{name} must be a finite number"):
-        SelfRAGQueryEngine(llm=tiny_llm, retriever=FixedRetriever(), **{name: value})
+        make_engine(**{name: value})
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("ndocs", 0, "ndocs must be at least 1 or None, got 0"),
+        ("threshold", 2.0, r"threshold is a probability in \[0, 1\] \(or None\), got 2.0"),
+        ("w_sup", math.nan, "w_sup must be a finite number"),
+        ("max_new_tokens", 0, "max_new_tokens must be at least 1"),
+        ("max_retrieval_rounds", 0, "max_retrieval_rounds must be at least 1"),
+        ("beam_width", 0, "beam_width must be at least 1"),
+        ("mode", "sometimes", "mode"),
+        ("segment_retrieval", "each", "segment_retrieval"),
+        ("long_form", True, r"needs a Self-RAG model.*long_form=False"),
+    ],
+)
+def test_an_option_set_after_construction_is_checked(option, value, message):
+    engine = SelfRAGQueryEngine(retriever=FixedRetriever(), critic=Recording())
+    before = getattr(engine, option)
+    with pytest.raises(ValueError, match=message):
+        setattr(engine, option, value)
+    assert getattr(engine, option) == before  # the engine keeps its last valid setting
+
+
+@pytest.fixture
+def long_form_critic(tiny_llm):
+    from llama_index.packs.self_rag_rse import ReflectionCritic
+
+    with ReflectionCritic(tiny_llm) as critic:
+        yield critic
+
+
+def test_options_checked_together_are_checked_on_assignment(long_form_critic):
+    engine = SelfRAGQueryEngine(retriever=FixedRetriever(), critic=long_form_critic)
+    engine.long_form = True  # this critic writes segments
+    with pytest.raises(ValueError, match="cannot be combined"):
+        engine.corrective = True
+    assert engine.corrective is False and engine.long_form is True
+    with pytest.raises(TypeError, match="retriever must be a LlamaIndex retriever"):
+        engine.retriever = "x"
 
 
 @pytest.mark.parametrize("query", [None, 42, ["a question"]])
-def test_non_text_query_is_refused_before_any_event(tiny_llm, events, query):
-    engine = SelfRAGQueryEngine(llm=tiny_llm, retriever=FixedRetriever())
+def test_non_text_query_is_refused_before_any_event(make_engine, events, query):
+    engine = make_engine()
     with pytest.raises(TypeError, match="query must be a string or a QueryBundle"):
         engine.query(query)
     assert "QueryStartEvent" not in events
 
 
-async def test_non_text_query_is_refused_by_aquery(tiny_llm):
-    engine = SelfRAGQueryEngine(llm=tiny_llm, retriever=FixedRetriever())
+async def test_non_text_query_is_refused_by_aquery(make_engine):
+    engine = make_engine()
     with pytest.raises(TypeError, match="query must be a string"):
         await engine.aquery(None)  # type: ignore[arg-type]
 
 
-def test_empty_paragraphs_are_skipped_and_traced(tiny_llm):
+def test_empty_paragraphs_are_skipped_and_traced(make_engine):
     nodes = [
         NodeWithScore(node=TextNode(id_="blank", text="   \n", metadata={"title": "t"}), score=0.9),
         *make_nodes(),
     ]
-    engine = SelfRAGQueryEngine(
-        llm=tiny_llm, retriever=FixedRetriever(nodes), mode="always_retrieve"
-    )
+    engine = make_engine(retriever=FixedRetriever(nodes))
     meta = engine.query("What does the while statement do?").metadata["self_rag"]
     assert "blank" not in [p["node_id"] for p in meta["paragraphs"]]
     skipped = [e for e in meta["trace"] if e["step"] == "skip_empty"]
@@ -69,11 +110,9 @@ def test_empty_paragraphs_are_skipped_and_traced(tiny_llm):
     ]
 
 
-def test_only_empty_paragraphs_fall_back_with_the_reason(tiny_llm):
+def test_only_empty_paragraphs_fall_back_with_the_reason(make_engine):
     nodes = [NodeWithScore(node=TextNode(id_="blank", text=""), score=0.9)]
-    engine = SelfRAGQueryEngine(
-        llm=tiny_llm, retriever=FixedRetriever(nodes), mode="always_retrieve"
-    )
+    engine = make_engine(retriever=FixedRetriever(nodes))
     meta = engine.query("q").metadata["self_rag"]
     assert meta["paragraphs"] == [] and meta["best"] is None
     assert {"step": "fallback", "reason": "every retrieved paragraph was empty"} in meta["trace"]
@@ -87,13 +126,8 @@ class DropAll(BaseNodePostprocessor):
         return []
 
 
-def test_a_postprocessor_that_keeps_nothing_is_named_in_the_trace(tiny_llm):
-    engine = SelfRAGQueryEngine(
-        llm=tiny_llm,
-        retriever=FixedRetriever(),
-        mode="always_retrieve",
-        node_postprocessors=[DropAll()],
-    )
+def test_a_postprocessor_that_keeps_nothing_is_named_in_the_trace(make_engine):
+    engine = make_engine(node_postprocessors=[DropAll()])
     meta = engine.query("q").metadata["self_rag"]
     retrieve = next(e for e in meta["trace"] if e["step"] == "retrieve")
     assert retrieve["nodes"] == 0 and retrieve["retrieved"] == 3
@@ -105,13 +139,8 @@ def test_a_postprocessor_that_keeps_nothing_is_named_in_the_trace(tiny_llm):
     assert {"step": "fallback", "reason": reason} in meta["trace"]
 
 
-async def test_a_postprocessor_that_keeps_nothing_under_aquery(tiny_llm):
-    engine = SelfRAGQueryEngine(
-        llm=tiny_llm,
-        retriever=FixedRetriever(),
-        mode="always_retrieve",
-        node_postprocessors=[DropAll()],
-    )
+async def test_a_postprocessor_that_keeps_nothing_under_aquery(make_engine):
+    engine = make_engine(node_postprocessors=[DropAll()])
     meta = (await engine.aquery("q")).metadata["self_rag"]
     assert any(e.get("dropped_by") == "DropAll" for e in meta["trace"])
 
@@ -175,26 +204,22 @@ def test_default_title_keys_fall_back_to_document_title():
     assert critic.paragraphs == ["D\nx"]
 
 
-def test_partial_reflection_vocabulary_warns_naming_the_missing_tokens(tmp_path: Path):
-    from conftest import _llama
+def test_partial_reflection_vocabulary_warns_naming_the_missing_tokens(
+    tmp_path: Path, open_llama, make_engine
+):
     from tiny_gguf import write_tiny_gguf
 
-    llm = _llama(write_tiny_gguf(tmp_path / "partial.gguf", typing="partial"))
-    try:
-        with pytest.warns(UserWarning, match=r"missing: \[Irrelevant\], \[Relevant\]"):
-            engine = SelfRAGQueryEngine(llm=llm, retriever=FixedRetriever())
-        assert engine.critic.name == "prompted"
-        engine.close()
-    finally:
-        llm.close()
+    llm = open_llama(write_tiny_gguf(tmp_path / "partial.gguf", typing="partial"))
+    with pytest.warns(UserWarning, match=r"missing: \[Irrelevant\], \[Relevant\]"):
+        engine = make_engine(llm=llm)
+    assert engine.critic.name == "prompted"
 
 
-def test_model_without_reflection_tokens_falls_back_quietly(tiny_llm_plain):
+def test_model_without_reflection_tokens_falls_back_quietly(tiny_llm_plain, make_engine):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        engine = SelfRAGQueryEngine(llm=tiny_llm_plain, retriever=FixedRetriever())
+        engine = make_engine(llm=tiny_llm_plain)
     assert engine.critic.name == "prompted"
-    engine.close()
 
 
 def test_rse_keeping_nothing_is_explained_in_the_trace():

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import _llama
 from retrievers import FixedRetriever
 
 from llama_index.packs.self_rag_rse import (
@@ -42,32 +41,30 @@ def test_engine_closes_the_model_it_loaded(tiny_gguf_paths: dict[str, Path]) -> 
         engine.query("q")
 
 
-def test_engine_leaves_a_passed_model_open(tiny_gguf_paths: dict[str, Path]) -> None:
-    llm = _llama(tiny_gguf_paths["user_defined"])
-    try:
-        with SelfRAGQueryEngine(llm=llm, retriever=FixedRetriever()) as engine:
-            engine.query("q")
-        assert not compat.is_closed(llm)
-        # A closed engine's critic can be used again: it re-creates its context.
-        assert engine.query("q").response
-    finally:
-        llm.close()
+def test_engine_leaves_a_passed_model_open(
+    tiny_gguf_paths: dict[str, Path], open_llama: Any
+) -> None:
+    llm = open_llama(tiny_gguf_paths["user_defined"])
+    with SelfRAGQueryEngine(llm=llm, retriever=FixedRetriever()) as engine:
+        engine.query("q")
+    assert not compat.is_closed(llm)
+    # A closed engine's critic can be used again: it re-creates its context.
+    assert engine.query("q").response
+    engine.close()
 
 
 def test_engine_does_not_close_a_critic_it_was_given(tiny_llm: Any) -> None:
-    critic = ReflectionCritic(tiny_llm)
-    engine = SelfRAGQueryEngine(retriever=FixedRetriever(), critic=critic)
-    engine.close()
-    assert critic.judge("q", ["p"])[0].error is None
-    critic.close()
+    with ReflectionCritic(tiny_llm) as critic:
+        SelfRAGQueryEngine(retriever=FixedRetriever(), critic=critic).close()
+        assert critic.judge("q", ["p"])[0].error is None
 
 
 @pytest.mark.parametrize("critic", ["reflection", "prompted"])
 def test_query_after_the_model_was_closed_raises_a_clear_error(
-    tiny_gguf_paths: dict[str, Path], critic: str
+    tiny_gguf_paths: dict[str, Path], critic: str, open_llama: Any
 ) -> None:
     typing = "user_defined" if critic == "reflection" else "none"
-    llm = _llama(tiny_gguf_paths[typing])
+    llm = open_llama(tiny_gguf_paths[typing])
     engine = SelfRAGQueryEngine(llm=llm, retriever=FixedRetriever(), critic=critic)
     assert engine.critic.name == critic
     llm.close()  # the user frees the model under the engine
@@ -94,41 +91,38 @@ def test_query_after_llamacpp_model_close_raises(tiny_gguf_paths: dict[str, Path
 
 @pytest.mark.parametrize("critic", ["reflection", "prompted"])
 def test_closing_the_critic_while_a_query_runs_waits_for_it(
-    tiny_gguf_paths: dict[str, Path], critic: str
+    tiny_gguf_paths: dict[str, Path], critic: str, open_llama: Any
 ) -> None:
     typing = "user_defined" if critic == "reflection" else "none"
-    llm = _llama(tiny_gguf_paths[typing])
-    try:
-        engine = SelfRAGQueryEngine(
-            llm=llm,
-            retriever=FixedRetriever(),
-            critic=critic,
-            # The tiny model has no digit tokens for the prompted utility scale: generate only.
-            mode="always_retrieve" if critic == "reflection" else "no_retrieval",
-            max_new_tokens=200,
-        )
-        expected = engine.query("What does the while statement do?").response
-        result: dict[str, Any] = {}
-        started = threading.Event()
+    llm = open_llama(tiny_gguf_paths[typing])
+    engine = SelfRAGQueryEngine(
+        llm=llm,
+        retriever=FixedRetriever(),
+        critic=critic,
+        # The tiny model has no digit tokens for the prompted utility scale: generate only.
+        mode="always_retrieve" if critic == "reflection" else "no_retrieval",
+        max_new_tokens=200,
+    )
+    expected = engine.query("What does the while statement do?").response
+    result: dict[str, Any] = {}
+    started = threading.Event()
 
-        def query() -> None:
-            started.set()
-            try:
-                result["answer"] = engine.query("What does the while statement do?").response
-            except BaseException as exc:
-                result["error"] = exc
+    def query() -> None:
+        started.set()
+        try:
+            result["answer"] = engine.query("What does the while statement do?").response
+        except BaseException as exc:
+            result["error"] = exc
 
-        thread = threading.Thread(target=query)
-        thread.start()
-        started.wait(JOIN_TIMEOUT)
-        engine.critic.close()  # must wait for (not free under) the running decode
-        thread.join(JOIN_TIMEOUT)
-        assert not thread.is_alive()
-        assert result.get("answer") == expected, result.get("error")
-        assert engine.query("What does the while statement do?").response == expected
-        engine.close()
-    finally:
-        llm.close()
+    thread = threading.Thread(target=query)
+    thread.start()
+    started.wait(JOIN_TIMEOUT)
+    engine.critic.close()  # must wait for (not free under) the running decode
+    thread.join(JOIN_TIMEOUT)
+    assert not thread.is_alive()
+    assert result.get("answer") == expected, result.get("error")
+    assert engine.query("What does the while statement do?").response == expected
+    engine.close()
 
 
 # --- a script that exits without closing -------------------------------------------------------
@@ -239,14 +233,13 @@ def test_pack_with_block_closes_the_model_it_loaded(tiny_gguf_paths: dict[str, P
     pack.close()  # a second close is harmless
 
 
-def test_pack_with_block_leaves_a_passed_model_open(tiny_gguf_paths: dict[str, Path]) -> None:
-    llm = _llama(tiny_gguf_paths["user_defined"])
-    try:
-        with SelfRAGPack(llm=llm, retriever=FixedRetriever()) as pack:
-            pack.run("q")
-        assert not compat.is_closed(llm)
-    finally:
-        llm.close()
+def test_pack_with_block_leaves_a_passed_model_open(
+    tiny_gguf_paths: dict[str, Path], open_llama: Any
+) -> None:
+    llm = open_llama(tiny_gguf_paths["user_defined"])
+    with SelfRAGPack(llm=llm, retriever=FixedRetriever()) as pack:
+        pack.run("q")
+    assert not compat.is_closed(llm)
 
 
 def test_engine_from_args_with_block_closes_the_model_it_loaded(

@@ -117,12 +117,14 @@ def forward(upstream: str, method: str, path: str, body: Any, timeout: float = 3
 class DripServer:
     """A raw HTTP server on 127.0.0.1 that answers every connection with ``answer`` (status line,
     headers and body), one byte every ``interval`` seconds after the first ``at_once`` bytes; it
-    stops dripping when the client goes away or at ``close()``."""
+    stops dripping when the client goes away or at ``close()``. ``sent`` counts the bytes sent
+    so far (a client that gave up early left the rest unsent)."""
 
     def __init__(self, answer: bytes, interval: float, at_once: int = 0) -> None:
         self.answer = answer
         self.interval = interval
         self.at_once = at_once
+        self.sent = 0
         self._stop = threading.Event()
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
@@ -148,10 +150,12 @@ class DripServer:
             try:
                 conn.recv(65536)  # the request; its content does not matter
                 conn.sendall(self.answer[: self.at_once])
+                self.sent += self.at_once
                 for i in range(self.at_once, len(self.answer)):
                     if self._stop.wait(self.interval):
                         return
                     conn.sendall(self.answer[i : i + 1])
+                    self.sent += 1
             except OSError:
                 return  # the client gave up
 

@@ -15,7 +15,7 @@ from retrievers import FixedRetriever
 from served.stub import Reply, StubServer, forward
 
 from llama_index.packs.self_rag_rse import PromptedCritic, SelfRAGQueryEngine
-from llama_index.packs.self_rag_rse.evaluation.calls import ModelCallCounter
+from llama_index.packs.self_rag_rse.evaluation.runner import ModelCallCounter
 from llama_index.packs.self_rag_rse.served import ServedReflectionCritic
 
 QUESTION = "What does the while statement do?"
@@ -72,24 +72,18 @@ def test_served_engine_equals_the_in_process_engine(
 
 
 def test_auto_picks_the_critic_from_what_the_server_serves(llama_server: Any) -> None:
-    reflection = SelfRAGQueryEngine(
-        llm=served_llm(llama_server("control").url), retriever=FixedRetriever(), critic="auto"
-    )
-    plain = SelfRAGQueryEngine(
-        llm=served_llm(llama_server("none").url), retriever=FixedRetriever(), critic="auto"
-    )
-    chat = SelfRAGQueryEngine(
-        llm=served_llm(llama_server("control").url, is_chat_model=True),
-        retriever=FixedRetriever(),
-        critic="auto",
-    )
-    try:
+    def engine(url: str, is_chat_model: bool = False) -> SelfRAGQueryEngine:
+        llm = served_llm(url, is_chat_model=is_chat_model)
+        return SelfRAGQueryEngine(llm=llm, retriever=FixedRetriever(), critic="auto")
+
+    with (
+        engine(llama_server("control").url) as reflection,
+        engine(llama_server("none").url) as plain,
+        engine(llama_server("control").url, is_chat_model=True) as chat,
+    ):
         assert isinstance(reflection.critic, ServedReflectionCritic)
         assert isinstance(plain.critic, PromptedCritic)
         assert isinstance(chat.critic, PromptedCritic)  # chat endpoints carry no reflection
-    finally:
-        for engine in (reflection, plain, chat):
-            engine.close()
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat_logprobs", "completion_parsed"])
@@ -113,11 +107,8 @@ def test_prompted_critic_over_a_served_llm(chat: bool, llama_server: Any) -> Non
                 logprobs=True,
                 top_logprobs=20,
             )
-        critic = PromptedCritic.from_llm(llm, num_workers=2)
-        try:
+        with PromptedCritic.from_llm(llm, num_workers=2) as critic:
             judgements = critic.judge(QUESTION, [text for _, text, _ in _paragraphs()])
-        finally:
-            critic.close()
         # Answers and relevance of 3 paragraphs, then support and utility: 12 calls, 2 at once.
         assert len(proxy.requests) == 12 and proxy.max_in_flight <= 2
     assert all(j.error is None for j in judgements)

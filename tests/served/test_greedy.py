@@ -40,14 +40,43 @@ def test_the_server_kind_comes_from_the_model_owner(answer: object, kind: str) -
     assert server_kind(answer) == kind
 
 
-def test_each_kind_turns_its_own_defaults_off_and_request_options_win() -> None:
-    assert GREEDY[LLAMA_CPP_PYTHON]["repeat_penalty"] == 1.0  # its server's default is 1.1
-    assert GREEDY[VLLM]["repetition_penalty"] == 1.0 and GREEDY[VLLM]["top_k"] == -1
-    assert GREEDY[LLAMA_CPP]["samplers"] == ["top_k"] and GREEDY[LLAMA_CPP]["top_k"] == 1
-    assert set(GREEDY[OPENAI]) == {"temperature", "top_p", "presence_penalty", "frequency_penalty"}
-    assert all(options["temperature"] == 0.0 for options in GREEDY.values())
+def samples(name: str, value: object) -> bool:
+    """Whether a sampling knob set to ``value`` can change which token is chosen, by the knob's
+    arithmetic (not by any server's table): multiplicative penalties and nucleus/typical cuts
+    are off at 1, additive penalties and min-p at 0, top-k at 1 or below (1 keeps the argmax;
+    0 and -1 keep every token)."""
+    if name in ("repeat_penalty", "repetition_penalty", "top_p", "typical_p"):
+        return value != 1.0
+    if name in ("temperature", "presence_penalty", "frequency_penalty", "min_p"):
+        return value != 0.0
+    if name in ("dry_multiplier", "xtc_probability", "mirostat", "mirostat_mode"):
+        return value != 0
+    if name == "top_k":
+        return isinstance(value, int) and value > 1
+    return False
+
+
+@pytest.mark.parametrize("kind", [LLAMA_CPP, LLAMA_CPP_PYTHON, VLLM, OPENAI])
+def test_each_kind_sends_only_values_that_do_not_sample(kind: str) -> None:
+    sent = GREEDY[kind]
+    assert sent["temperature"] == 0.0
+    assert not [name for name, value in sent.items() if samples(name, value)]
+
+
+def test_llama_cpp_pythons_own_sampling_defaults_are_all_turned_off() -> None:
+    # Read from llama-cpp-python's server itself: temperature 0.8, top_k 40, repeat_penalty 1.1...
+    from llama_cpp.server.types import CreateCompletionRequest
+
+    defaults = {name: f.default for name, f in CreateCompletionRequest.model_fields.items()}
+    sampling = {name for name, value in defaults.items() if samples(name, value)}
+    assert "repeat_penalty" in sampling  # the default that changes greedy answers
+    assert sampling <= set(GREEDY[LLAMA_CPP_PYTHON])
+
+
+def test_request_options_win_over_the_greedy_fields() -> None:
     merged = greedy_options(VLLM, {"repetition_penalty": 1.2, "skip_special_tokens": False})
     assert merged["repetition_penalty"] == 1.2 and merged["skip_special_tokens"] is False
+    assert merged["temperature"] == 0.0
 
 
 def completion(*positions: tuple[str, float, dict[str, float] | None]) -> Completion:

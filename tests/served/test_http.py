@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import socket
-import time
+from contextlib import closing
 from typing import Any
 
 import pytest
@@ -59,16 +59,12 @@ def faulty_proxy(upstream: str, faults: dict[int, Reply]) -> StubServer:
 
 def test_a_server_that_is_down_is_named() -> None:
     url = f"http://127.0.0.1:{unused_port()}"
-    critic = ServedReflectionCritic(url, timeout=5)
-    started = time.monotonic()
-    try:
+    with ServedReflectionCritic(url, timeout=5) as critic:
         with pytest.raises(ServerUnavailable, match=rf"cannot connect to {url}/props"):
             critic.judge(QUERY, PARAGRAPHS)
         with pytest.raises(ServerUnavailable, match=url):
             critic.decide_retrieval(QUERY, 0.5)
-    finally:
-        critic.close()
-    assert time.monotonic() - started < 10
+    assert critic.requests == 2  # one try each: a server that is down is reported, not retried
 
 
 def test_an_engine_on_a_server_that_is_down_fails_at_construction() -> None:
@@ -85,14 +81,12 @@ def test_an_engine_on_a_server_that_is_down_fails_at_construction() -> None:
 
 def test_a_slow_setup_times_out_with_the_url() -> None:
     with StubServer(lambda method, path, body: Reply.json({}, delay=3.0)) as stub:
-        critic = ServedReflectionCritic(stub.url, timeout=0.5)
-        started = time.monotonic()
-        try:
-            with pytest.raises(ServerTimeout, match=rf"{stub.url}/props timed out after 0.5 s"):
-                critic.connect()
-        finally:
-            critic.close()
-        assert time.monotonic() - started < 2.5
+        with (
+            ServedReflectionCritic(stub.url, timeout=0.5) as critic,
+            pytest.raises(ServerTimeout, match=rf"{stub.url}/props timed out after 0.5 s"),
+        ):
+            critic.connect()
+        assert stub.in_flight == 1  # the client gave up while the server was still working
         assert len(stub.requests) == 1
 
 
@@ -104,25 +98,21 @@ def test_faults_fail_one_paragraph_each_and_keep_the_others(llama_server: Any) -
         2: Reply.json({"content": "no tokens field"}),
         3: Reply.json({}, delay=3.0),
     }
-    reference = ServedReflectionCritic(upstream, max_new_tokens=20)
-    with faulty_proxy(upstream, faults) as proxy:
+    with (
+        ServedReflectionCritic(upstream, max_new_tokens=20) as reference,
+        faulty_proxy(upstream, faults) as proxy,
         # One request at a time, so the n-th /completion belongs to the n-th paragraph.
-        critic = ServedReflectionCritic(proxy.url, max_new_tokens=20, num_workers=1, timeout=1.5)
-        started = time.monotonic()
-        try:
-            judgements = critic.judge(QUERY, PARAGRAPHS)
-            expected = reference.judge(QUERY, PARAGRAPHS)
-        finally:
-            critic.close()
-            reference.close()
-        assert time.monotonic() - started < 15
+        ServedReflectionCritic(proxy.url, max_new_tokens=20, num_workers=1, timeout=1.5) as critic,
+    ):
+        judgements = critic.judge(QUERY, PARAGRAPHS)
+        expected = reference.judge(QUERY, PARAGRAPHS)
         # One per paragraph, plus exact follow-ups for the one that succeeded (at most 3 groups).
         assert len(PARAGRAPHS) <= proxy.count("/completion") <= len(PARAGRAPHS) + 3
     errors = [j.error or "" for j in judgements]
     assert ServerHTTPError.__name__ in errors[0] and "HTTP 500" in errors[0] and "boom" in errors[0]
     assert MalformedResponse.__name__ in errors[1] and "not JSON" in errors[1]
     assert MalformedResponse.__name__ in errors[2] and "'tokens'" in errors[2]
-    assert ServerTimeout.__name__ in errors[3] and "timed out" in errors[3]
+    assert ServerTimeout.__name__ in errors[3] and "timed out after 1.5 s" in errors[3]
     for error in errors[:4]:
         assert f"{proxy.url}/completion" in error
     for j in judgements[:4]:
@@ -142,11 +132,8 @@ def test_requests_in_flight_are_bounded_by_num_workers(llama_server: Any) -> Non
         return reply
 
     with StubServer(slow) as proxy:
-        critic = ServedReflectionCritic(proxy.url, max_new_tokens=10, num_workers=2)
-        try:
+        with ServedReflectionCritic(proxy.url, max_new_tokens=10, num_workers=2) as critic:
             judgements = critic.judge(QUERY, PARAGRAPHS)
-        finally:
-            critic.close()
         assert all(j.error is None for j in judgements)
         assert proxy.max_in_flight == 2
 
@@ -164,14 +151,12 @@ def test_the_timeout_bounds_the_whole_request_not_each_read(dripped: str) -> Non
     answer = _answer(body)
     at_once = 0 if dripped == "everything" else len(answer) - len(body)
     with DripServer(answer, interval=0.025, at_once=at_once) as drip:
-        critic = ServedReflectionCritic(drip.url, api="llama.cpp", timeout=1.0)
-        started = time.monotonic()
-        try:
-            with pytest.raises(ServerTimeout, match=rf"{drip.url}/props timed out after 1 s"):
-                critic.connect()
-        finally:
-            critic.close()
-        assert time.monotonic() - started < 2.0
+        with (
+            ServedReflectionCritic(drip.url, api="llama.cpp", timeout=1.0) as critic,
+            pytest.raises(ServerTimeout, match=rf"{drip.url}/props timed out after 1 s"),
+        ):
+            critic.connect()
+        assert drip.sent < len(answer)  # given up before the answer's last byte
 
 
 @pytest.mark.parametrize("api", ["auto", "llama.cpp", "openai"])
@@ -180,12 +165,11 @@ def test_a_redirect_is_reported_as_a_redirect_with_the_fix(api: str) -> None:
         return Reply(302, b"", headers={"Location": f"https://models.example/selfrag{path}"})
 
     with StubServer(moved) as stub:
-        critic = ServedReflectionCritic(stub.url, api=api, timeout=5)  # type: ignore[arg-type]
-        try:
-            with pytest.raises(ServerRedirect) as caught:
-                critic.connect()
-        finally:
-            critic.close()
+        with (
+            ServedReflectionCritic(stub.url, api=api, timeout=5) as critic,
+            pytest.raises(ServerRedirect) as caught,
+        ):  # type: ignore[arg-type]
+            critic.connect()
         assert len(stub.requests) == 1  # reported at once, not retried elsewhere
     message = str(caught.value)
     assert "HTTP 302" in message and "not JSON" not in message
@@ -198,13 +182,12 @@ def test_a_redirect_is_reported_as_a_redirect_with_the_fix(api: str) -> None:
 
 
 def test_a_redirect_without_a_location_says_so() -> None:
-    with StubServer(lambda method, path, body: Reply(307, b"")) as stub:
-        critic = ServedReflectionCritic(stub.url, api="llama.cpp", timeout=5)
-        try:
-            with pytest.raises(ServerRedirect, match=r"HTTP 307 .*no Location"):
-                critic.connect()
-        finally:
-            critic.close()
+    with (
+        StubServer(lambda method, path, body: Reply(307, b"")) as stub,
+        ServedReflectionCritic(stub.url, api="llama.cpp", timeout=5) as critic,
+        pytest.raises(ServerRedirect, match=r"HTTP 307 .*no Location"),
+    ):
+        critic.connect()
 
 
 @pytest.mark.parametrize("timeout", [0, -1, math.nan, math.inf])
@@ -236,12 +219,11 @@ def _stream(url: str, timeout: float = 10.0) -> list[Any]:
     client = JSONClient(url, timeout=timeout)
 
     async def read() -> list[Any]:
-        return [event async for event in client.stream_parsed("/completion", {}, lambda e: e)]
+        events = client.stream_parsed("/completion", {}, lambda e: e, lambda e: "end" in e)
+        return [event async for event in events]
 
-    try:
+    with closing(client):
         return run_sync(read())
-    finally:
-        client.close()
 
 
 def _events(*lines: str) -> Reply:
@@ -253,6 +235,22 @@ def test_a_stream_yields_its_events_until_done() -> None:
     reply.body += b'data: [DONE]\n\ndata: {"after": 3}\n\n'
     with StubServer(lambda *_: reply) as stub:
         assert _stream(stub.url) == [{"a": 1}, {"a": 2}]
+
+
+def test_an_event_whose_data_spans_several_lines_is_one_event() -> None:
+    # SSE joins an event's data lines with newlines; JSON may be split anywhere whitespace goes.
+    reply = _events('data: {"a":', "data:  [1,", "data: 2]}", "", 'data: {"end": 1}', "")
+    with StubServer(lambda *_: reply) as stub:
+        assert _stream(stub.url) == [{"a": [1, 2]}, {"end": 1}]
+
+
+@pytest.mark.parametrize("tail", [[], ['data: {"a": 2}', ""], ['data: {"en']])
+def test_a_stream_cut_before_its_end_is_an_error_naming_the_url(tail: list[str]) -> None:
+    reply = _events('data: {"a": 1}', "", *tail)
+    with StubServer(lambda *_: reply) as stub, pytest.raises(MalformedResponse) as caught:
+        _stream(stub.url)
+    assert stub.url in str(caught.value)
+    assert "ended its stream" in str(caught.value) or "not JSON" in str(caught.value)
 
 
 @pytest.mark.parametrize(
@@ -273,7 +271,6 @@ def test_the_timeout_bounds_the_whole_stream_not_each_event() -> None:
     events = b'data: {"a": 1}\n\n' * 40
     head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
     with DripServer(head + events, interval=0.02, at_once=len(head)) as drip:
-        began = time.monotonic()
         with pytest.raises(ServerTimeout, match="timed out after 2 s"):
             _stream(drip.url, timeout=2)
-    assert time.monotonic() - began < 5
+        assert drip.sent < len(head + events)  # given up before the stream's last byte

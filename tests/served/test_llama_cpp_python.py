@@ -60,8 +60,7 @@ def critic(url: str, **kwargs: Any) -> ServedReflectionCritic:
 
 def test_default_settings_give_the_in_process_answers_and_scores(local: Any, server: Any) -> None:
     # The whole (tiny) vocabulary per position: every score is read, none fetched or bounded.
-    served = critic(server.url, top_logprobs=2048)
-    try:
+    with critic(server.url, top_logprobs=2048) as served:
         for query, paragraphs in CASES:
             judgements = served.judge(query, paragraphs)
             for s, r in zip(judgements, local.judge(query, paragraphs), strict=True):
@@ -76,20 +75,15 @@ def test_default_settings_give_the_in_process_answers_and_scores(local: Any, ser
             a, b = served.decide_retrieval(query, 0.5), local.decide_retrieval(query, 0.5)
             assert a.retrieve == b.retrieve and a.answer == b.answer
             assert a.probability == pytest.approx(b.probability, abs=TOL)
-    finally:
-        served.close()
 
 
 def test_the_servers_own_penalty_is_reported_not_used(server: Any) -> None:
     # request_options still win; here they put the server's default back, and the answer of the
     # first paragraph would differ from the greedy one: the judgement fails, naming why.
-    served = critic(server.url, top_logprobs=5, request_options={"repeat_penalty": 1.1})
-    try:
+    with critic(server.url, top_logprobs=5, request_options={"repeat_penalty": 1.1}) as served:
         query, paragraphs = CASES[0]
         with pytest.raises(ServerNotGreedy) as caught:
             served.judge(query, paragraphs)
-    finally:
-        served.close()
     message = str(caught.value)
     assert f"{server.url}/v1/completions (llama-cpp-python)" in message
     assert f"position {caught.value.position}" in message
@@ -99,8 +93,7 @@ def test_the_servers_own_penalty_is_reported_not_used(server: Any) -> None:
 def test_tokens_outside_the_top_n_are_fetched_exactly(local: Any, server: Any) -> None:
     # One log-prob per position: every group needs a follow-up, which asks this server for its
     # whole vocabulary, the answer regenerated up to the group's position.
-    served = critic(server.url, top_logprobs=1)
-    try:
+    with critic(server.url, top_logprobs=1) as served:
         for query, paragraphs in CASES:
             expected = local.judge(query, paragraphs)
             for s, r in zip(served.judge(query, paragraphs), expected, strict=True):
@@ -113,26 +106,20 @@ def test_tokens_outside_the_top_n_are_fetched_exactly(local: Any, server: Any) -
         assert gate.probability == pytest.approx(
             local.decide_retrieval(CASES[0][0], 0.5).probability, abs=TOL
         )
-    finally:
-        served.close()
 
 
 def test_bound_mode_is_flagged(server: Any) -> None:
-    served = critic(server.url, top_logprobs=1, missing_logprobs="bound")
-    try:
+    with critic(server.url, top_logprobs=1, missing_logprobs="bound") as served:
         for j in served.judge(*CASES[1]):
             assert "relevance" in j.details["bounded"] and "followup_requests" not in j.details
-    finally:
-        served.close()
 
 
 def test_control_typed_tokens_keep_the_clear_error(llama_cpp_python_server: Any) -> None:
-    served = critic(llama_cpp_python_server("control").url)
-    try:
-        with pytest.raises(ReflectionTokensUnidentifiable, match="empty strings"):
-            served.connect()
-    finally:
-        served.close()
+    with (
+        critic(llama_cpp_python_server("control").url) as served,
+        pytest.raises(ReflectionTokensUnidentifiable, match="empty strings"),
+    ):
+        served.connect()
 
 
 def test_a_penalty_the_client_cannot_turn_off_fails_the_judgement(server: Any) -> None:
@@ -141,13 +128,12 @@ def test_a_penalty_the_client_cannot_turn_off_fails_the_judgement(server: Any) -
             body = {**body, "repeat_penalty": 1.5, "presence_penalty": 1.5}
         return forward(server.url, method, path, body)
 
-    with StubServer(penalise) as proxy:
-        served = critic(proxy.url, top_logprobs=5)
-        try:
-            with pytest.raises(ServerNotGreedy) as caught:
-                served.judge(*CASES[0])
-        finally:
-            served.close()
+    with (
+        StubServer(penalise) as proxy,
+        critic(proxy.url, top_logprobs=5) as served,
+        pytest.raises(ServerNotGreedy) as caught,
+    ):
+        served.judge(*CASES[0])
     message = str(caught.value)
     assert f"{proxy.url}/v1/completions (llama-cpp-python)" in message
     assert f"at generated position {caught.value.position}" in message

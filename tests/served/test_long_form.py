@@ -72,28 +72,35 @@ def test_served_long_form_equals_in_process(
     llama_server: Any,
 ) -> None:
     url = llama_server(long_form_ggufs[typing]).url
-    served = ServedReflectionCritic(url, api=api, max_new_tokens=MAX_NEW, timeout=30)
-    try:
+    with ServedReflectionCritic(url, api=api, max_new_tokens=MAX_NEW, timeout=30) as served:
         for question in QUESTIONS:
             options = dict(OPTIONS, mode=mode, threshold=threshold)
             expected = SelfRAGQueryEngine(critic=local, retriever=FixedRetriever(), **options)
             engine = SelfRAGQueryEngine(critic=served, retriever=FixedRetriever(), **options)
             assert_same(engine.query(question), expected.query(question))
-    finally:
-        served.close()
 
 
 def test_a_text_only_server_gets_a_clear_error(
     long_form_ggufs: dict[str, Path], llama_cpp_python_server: Any
 ) -> None:
     url = llama_cpp_python_server(long_form_ggufs["user_defined"]).url
-    served = ServedReflectionCritic(url, api="openai", max_new_tokens=MAX_NEW, timeout=30)
-    try:
+    with ServedReflectionCritic(url, api="openai", max_new_tokens=MAX_NEW, timeout=30) as served:
         engine = SelfRAGQueryEngine(
             critic=served, retriever=FixedRetriever(), mode="always_retrieve", **OPTIONS
         )
         with pytest.raises(ValueError, match="needs prompts and answers as token ids") as caught:
             engine.query(QUESTIONS[0])
-    finally:
-        served.close()
     assert "llama-server" in str(caught.value) and url in str(caught.value)
+
+
+def test_a_passage_cut_to_fit_the_slot_is_shown_in_its_segments_row(
+    long_form_ggufs: dict[str, Path], llama_server: Any
+) -> None:
+    url = llama_server(long_form_ggufs["user_defined"]).url
+    with ServedReflectionCritic(url, max_new_tokens=MAX_NEW, timeout=30, n_ctx=120) as served:
+        engine = SelfRAGQueryEngine(
+            critic=served, retriever=FixedRetriever(), mode="always_retrieve", **OPTIONS
+        )
+        rows = engine.query(QUESTIONS[0]).metadata["self_rag"]["segments"]
+    # Depth 1 fits; at depth 2 the path's context leaves less room than the passage needs.
+    assert rows[0]["passage_cut"] == 0 and rows[-1]["passage_cut"] > 0

@@ -83,11 +83,8 @@ def critic(url: str, **kwargs: Any) -> ServedReflectionCritic:
 
 def test_text_keys_score_and_a_missing_token_is_bounded_and_flagged() -> None:
     with openai_stub(["<s>", *SELF_RAG_SPECIAL_TOKENS]) as stub:
-        c = critic(stub.url)
-        try:
+        with critic(stub.url) as c:
             (judgement,) = c.judge("What is the capital of France?", ["Paris is in France."])
-        finally:
-            c.close()
         assert c.info is not None and c.info.api == "openai" and c.info.verified
         assert judgement.answer == "Paris"
         # [Irrelevant] is bounded by the third-best log-prob at position 0 (-3.5).
@@ -106,59 +103,48 @@ def test_vllm_token_id_keys_identify_the_tokens() -> None:
     tops = [{key.get(t, t): v for t, v in top.items()} for top in TOPS]
     tops[0][key[IRRELEVANT]] = -2.0
     answer = legacy([key.get(t, t) for t in ANSWER], tops, text=" Paris")
-    with openai_stub(["token_id:1", *key.values()], answer) as stub:
-        c = critic(stub.url)
-        try:
-            (judgement,) = c.judge("q", ["p"])
-        finally:
-            c.close()
+    with openai_stub(["token_id:1", *key.values()], answer) as stub, critic(stub.url) as c:
+        (judgement,) = c.judge("q", ["p"])
     assert "bounded" not in judgement.details
     assert judgement.relevance == pytest.approx(1 / (1 + math.exp(-2.0 - -0.1)))
     assert judgement.answer == "Paris"
 
 
 def test_tokens_that_decode_to_nothing_are_reported_not_scored() -> None:
-    with openai_stub(["", *([""] * len(SELF_RAG_SPECIAL_TOKENS))]) as stub:
-        c = critic(stub.url)
-        try:
-            with pytest.raises(ReflectionTokensUnidentifiable, match=stub.url):
-                c.connect()
-        finally:
-            c.close()
+    with (
+        openai_stub(["", *([""] * len(SELF_RAG_SPECIAL_TOKENS))]) as stub,
+        critic(stub.url) as c,
+        pytest.raises(ReflectionTokensUnidentifiable, match=stub.url),
+    ):
+        c.connect()
 
 
 def test_a_model_without_the_tokens_is_refused() -> None:
     pieces = ["[", "Ret", "rieval", "]"] * 4
-    with openai_stub(pieces) as stub:
-        c = critic(stub.url)
-        try:
-            with pytest.raises(MissingReflectionTokens, match="critic='prompted'"):
-                c.connect()
-        finally:
-            c.close()
+    with (
+        openai_stub(pieces) as stub,
+        critic(stub.url) as c,
+        pytest.raises(MissingReflectionTokens, match="critic='prompted'"),
+    ):
+        c.connect()
 
 
 def test_without_echo_the_tokens_are_assumed_and_empty_tokens_still_caught() -> None:
     empty = legacy(["", " Paris"], [{"": -0.1}, {" Paris": -0.1}])
-    with openai_stub(None, empty) as stub:
-        c = critic(stub.url)
-        try:
-            assert not c.connect().verified
-            with pytest.raises(ReflectionTokensUnidentifiable, match="empty strings"):
-                c.judge("q", ["p"])
-        finally:
-            c.close()
+    with openai_stub(None, empty) as stub, critic(stub.url) as c:
+        assert not c.connect().verified
+        with pytest.raises(ReflectionTokensUnidentifiable, match="empty strings"):
+            c.judge("q", ["p"])
 
 
 def test_exact_follow_ups_need_a_server_that_returns_more() -> None:
     # A generic server, without max_logprobs: nothing more to ask for than a completion did.
-    with openai_stub(["<s>", *SELF_RAG_SPECIAL_TOKENS]) as stub:
-        c = critic(stub.url, missing_logprobs="refetch")
-        try:
-            with pytest.raises(ValueError, match="missing_logprobs='bound'"):
-                c.connect()
-        finally:
-            c.close()
+    with (
+        openai_stub(["<s>", *SELF_RAG_SPECIAL_TOKENS]) as stub,
+        critic(stub.url, missing_logprobs="refetch") as c,
+        pytest.raises(ValueError, match="missing_logprobs='bound'"),
+    ):
+        c.connect()
 
 
 def test_options_are_checked() -> None:
@@ -183,11 +169,8 @@ def test_a_paragraph_with_a_bad_logprob_fails_instead_of_winning(bad: float) -> 
     answers = iter([legacy(ANSWER, TOPS), legacy(ANSWER, spoiled)])
     with openai_stub(["<s>", *SELF_RAG_SPECIAL_TOKENS]) as stub:
         stub.handler = _answers_in_turn(stub.handler, answers)
-        c = critic(stub.url, num_workers=1)
-        try:
+        with critic(stub.url, num_workers=1) as c:
             good, bad_one = c.judge("What is the capital of France?", ["Paris.", "Lyon."])
-        finally:
-            c.close()
     assert good.error is None and 0.0 < good.relevance < 1.0
     assert bad_one.error is not None
     assert "MalformedResponse" in bad_one.error and f"{stub.url}/v1/completions" in bad_one.error
@@ -283,12 +266,11 @@ SUPPORT = (GROUNDING[0] + 0.5 * GROUNDING[1]) / sum(GROUNDING)
 
 def test_vllm_gets_its_greedy_fields_and_exact_follow_ups_by_token_ids() -> None:
     followups: list[dict] = []
-    with vllm_stub(followups) as stub:
-        c = critic(stub.url, request_options={"return_tokens_as_token_ids": True})
-        try:
-            (judgement,) = c.judge("What is the capital of France?", ["Paris is in France."])
-        finally:
-            c.close()
+    with (
+        vllm_stub(followups) as stub,
+        critic(stub.url, request_options={"return_tokens_as_token_ids": True}) as c,
+    ):
+        (judgement,) = c.judge("What is the capital of France?", ["Paris is in France."])
     assert c.info is not None and c.info.server == "vllm"
     assert judgement.details["refetched"] == ["relevance", "support"]
     assert "bounded" not in judgement.details
@@ -309,13 +291,12 @@ def test_text_keyed_follow_ups_regenerate_and_must_reproduce_the_completion(
     consistent: bool,
 ) -> None:
     followups: list[dict] = []
-    with vllm_stub(followups, consistent=consistent) as stub:
-        # Text keys: the server regenerates the answer up to each position, max_logprobs each.
-        c = critic(stub.url, max_logprobs=50)
-        try:
-            (judgement,) = c.judge("What is the capital of France?", ["Paris is in France."])
-        finally:
-            c.close()
+    # Text keys: the server regenerates the answer up to each position, max_logprobs each.
+    with (
+        vllm_stub(followups, consistent=consistent) as stub,
+        critic(stub.url, max_logprobs=50) as c,
+    ):
+        (judgement,) = c.judge("What is the capital of France?", ["Paris is in France."])
     assert sorted(b["max_tokens"] for b in followups) == [1, 3]
     assert all(b["logprobs"] == 50 and "logit_bias" not in b for b in followups)
     assert all(b["prompt"].endswith("Paris is in France.</paragraph>") for b in followups)
@@ -330,10 +311,6 @@ def test_text_keyed_follow_ups_regenerate_and_must_reproduce_the_completion(
 
 def test_without_max_logprobs_a_text_keyed_vllm_is_bounded_without_follow_ups() -> None:
     followups: list[dict] = []
-    with vllm_stub(followups) as stub:
-        c = critic(stub.url)
-        try:
-            (judgement,) = c.judge("What is the capital of France?", ["Paris is in France."])
-        finally:
-            c.close()
+    with vllm_stub(followups) as stub, critic(stub.url) as c:
+        (judgement,) = c.judge("What is the capital of France?", ["Paris is in France."])
     assert followups == [] and judgement.details["bounded"] == ["relevance", "support"]

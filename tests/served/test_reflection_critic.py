@@ -84,8 +84,7 @@ def test_served_gate_and_answers_equal_the_in_process_ones(critics: Any) -> None
 
 def test_tokens_outside_the_top_n_are_fetched_exactly(critics: Any) -> None:
     local, served = critics
-    narrow = ServedReflectionCritic(served.root, max_new_tokens=MAX_NEW, top_logprobs=1)
-    try:
+    with ServedReflectionCritic(served.root, max_new_tokens=MAX_NEW, top_logprobs=1) as narrow:
         judgements = narrow.judge(QUERIES[2], PARAGRAPHS)
         assert_same(judgements, local.judge(QUERIES[2], PARAGRAPHS))
         # With one candidate per position, every group needs a follow-up (never a KeyError,
@@ -95,23 +94,18 @@ def test_tokens_outside_the_top_n_are_fetched_exactly(critics: Any) -> None:
         assert gate.probability == pytest.approx(
             local.decide_retrieval(QUERIES[0], 0.5).probability, abs=TOL
         )
-    finally:
-        narrow.close()
 
 
 def test_bound_mode_is_flagged(critics: Any) -> None:
     _, served = critics
-    bounded = ServedReflectionCritic(
+    with ServedReflectionCritic(
         served.root, max_new_tokens=MAX_NEW, top_logprobs=1, missing_logprobs="bound"
-    )
-    try:
+    ) as bounded:
         for j in bounded.judge(QUERIES[0], PARAGRAPHS):
             # Only the greedy token is shown; the other relevance token gets its log-prob as an
             # upper bound, so both count equally, and the judgement says so.
             assert "relevance" in j.details["bounded"]
             assert j.relevance == pytest.approx(0.5)
-    finally:
-        bounded.close()
 
 
 @pytest.mark.parametrize("typing", ["user_defined", "control"])
@@ -121,11 +115,11 @@ def test_llama_servers_openai_completions_equal_the_in_process_scores(
     # llama-server's /v1 entries carry token ids, and its /tokenize gives the prompts' ids: both
     # typings work, and follow-ups go to the same server's native API.
     llm = tiny_llm if typing == "user_defined" else tiny_llm_control
-    local = ReflectionCritic(llm, max_new_tokens=MAX_NEW, n_seq_max=4)
-    served = ServedReflectionCritic(
-        llama_server(typing).url + "/v1", api="openai", max_new_tokens=MAX_NEW, top_logprobs=2
-    )
-    try:
+    url = llama_server(typing).url + "/v1"
+    with (
+        ReflectionCritic(llm, max_new_tokens=MAX_NEW, n_seq_max=4) as local,
+        ServedReflectionCritic(url, api="openai", max_new_tokens=MAX_NEW, top_logprobs=2) as served,
+    ):
         judgements = served.judge(QUERIES[0], PARAGRAPHS)
         assert_same(judgements, local.judge(QUERIES[0], PARAGRAPHS))
         assert all(j.details["server"] == "llama.cpp" for j in judgements)
@@ -137,9 +131,6 @@ def test_llama_servers_openai_completions_equal_the_in_process_scores(
             local.decide_retrieval(QUERIES[1], 0.5).probability, abs=TOL
         )
         assert served.generate(QUERIES[2]) == local.generate(QUERIES[2])
-    finally:
-        served.close()
-        local.close()
 
 
 def test_a_penalty_the_client_cannot_turn_off_fails_the_judgement(llama_server: Any) -> None:
@@ -153,14 +144,13 @@ def test_a_penalty_the_client_cannot_turn_off_fails_the_judgement(llama_server: 
             body = {**body, "samplers": ["penalties", "top_k"], "presence_penalty": 1.5}
         return forward(upstream, method, path, body)
 
-    with StubServer(penalise) as proxy:
-        served = ServedReflectionCritic(proxy.url, max_new_tokens=MAX_NEW, timeout=30)
-        try:
-            with pytest.raises(ServerNotGreedy) as caught:
-                for query in QUERIES:
-                    served.judge(query, PARAGRAPHS)
-        finally:
-            served.close()
+    with (
+        StubServer(penalise) as proxy,
+        ServedReflectionCritic(proxy.url, max_new_tokens=MAX_NEW, timeout=30) as served,
+        pytest.raises(ServerNotGreedy) as caught,
+    ):
+        for query in QUERIES:
+            served.judge(query, PARAGRAPHS)
     message = str(caught.value)
     assert f"{proxy.url}/completion (llama.cpp)" in message
     assert f"at generated position {caught.value.position}" in message
@@ -168,12 +158,11 @@ def test_a_penalty_the_client_cannot_turn_off_fails_the_judgement(llama_server: 
 
 
 def test_a_model_without_reflection_tokens_is_refused(llama_server: Any) -> None:
-    served = ServedReflectionCritic(llama_server("none").url)
-    try:
-        with pytest.raises(MissingReflectionTokens, match="critic='prompted'"):
-            served.connect()
-    finally:
-        served.close()
+    with (
+        ServedReflectionCritic(llama_server("none").url) as served,
+        pytest.raises(MissingReflectionTokens, match="critic='prompted'"),
+    ):
+        served.connect()
 
 
 def test_a_group_that_cannot_be_isolated_falls_back_to_the_whole_vocabulary(
@@ -191,16 +180,12 @@ def test_a_group_that_cannot_be_isolated_falls_back_to_the_whole_vocabulary(
             return Reply.json({"tokens": [3], "completion_probabilities": [entry]})
         return forward(upstream, method, path, body)
 
-    local = ReflectionCritic(tiny_llm, max_new_tokens=MAX_NEW, n_seq_max=4)
-    try:
-        with StubServer(spoil) as proxy:
-            served = ServedReflectionCritic(proxy.url, max_new_tokens=MAX_NEW, top_logprobs=1)
-            try:
-                judgements = served.judge(QUERIES[1], PARAGRAPHS[:3])
-            finally:
-                served.close()
+    with ReflectionCritic(tiny_llm, max_new_tokens=MAX_NEW, n_seq_max=4) as local:
+        with (
+            StubServer(spoil) as proxy,
+            ServedReflectionCritic(proxy.url, max_new_tokens=MAX_NEW, top_logprobs=1) as served,
+        ):
+            judgements = served.judge(QUERIES[1], PARAGRAPHS[:3])
         assert_same(judgements, local.judge(QUERIES[1], PARAGRAPHS[:3]))
-    finally:
-        local.close()
     # Per paragraph: the group request, then the whole-vocabulary one.
     assert all(j.details["followup_requests"] >= 2 for j in judgements)

@@ -9,17 +9,22 @@ greedily stops the stream with ``ServerNotGreedy``, and the engine streams over 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from retrievers import FixedRetriever
-from served.stub import Reply, StubServer
+from served.stub import Reply, StubServer, forward
 
 from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
 from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
-from llama_index.packs.self_rag_rse.served import ServedReflectionCritic, ServerNotGreedy
+from llama_index.packs.self_rag_rse.served import (
+    MalformedResponse,
+    ServedReflectionCritic,
+    ServerNotGreedy,
+)
 
 QUESTIONS = ["What does the while statement do?", "Who wrote Hamlet?"]
 MAX_NEW = 40
@@ -39,20 +44,26 @@ def local(talkative_gguf: Path) -> Iterator[ReflectionCritic]:
 @pytest.fixture(
     scope="module", params=["llama-server native", "llama-server openai", "llama-cpp-python"]
 )
-def served(
+def server(
     request: pytest.FixtureRequest,
     talkative_gguf: Path,
     llama_server: Any,
     llama_cpp_python_server: Any,
-) -> Iterator[ServedReflectionCritic]:
+) -> tuple[str, str]:
+    """A server of the talkative GGUF and the API to reach it by: native ``/completion``
+    (llama-server), or ``/v1/completions`` (llama-server: ``logprobs.content`` entries;
+    llama-cpp-python: legacy log-probs with ``text_offset``)."""
     if request.param == "llama-cpp-python":
-        url, api = llama_cpp_python_server(talkative_gguf).url, "openai"
-    else:
-        url, api = llama_server(talkative_gguf).url, request.param.split()[1]
-    api = "llama.cpp" if api == "native" else api
-    critic = ServedReflectionCritic(url, api=api, max_new_tokens=MAX_NEW, timeout=30)
-    yield critic
-    critic.close()
+        return llama_cpp_python_server(talkative_gguf).url, "openai"
+    api = request.param.split()[1]
+    return llama_server(talkative_gguf).url, "llama.cpp" if api == "native" else api
+
+
+@pytest.fixture(scope="module")
+def served(server: tuple[str, str]) -> Iterator[ServedReflectionCritic]:
+    url, api = server
+    with ServedReflectionCritic(url, api=api, max_new_tokens=MAX_NEW, timeout=30) as critic:
+        yield critic
 
 
 def test_the_answer_streams_and_joins_to_the_non_streamed_one(
@@ -103,11 +114,109 @@ def test_a_server_that_does_not_decode_greedily_stops_the_stream(
 ) -> None:
     upstream = llama_cpp_python_server(talkative_gguf).url
     penalise = _forward_changed(upstream, {"repeat_penalty": 1.5, "presence_penalty": 1.5})
-    with StubServer(penalise) as proxy:
-        critic = ServedReflectionCritic(proxy.url, api="openai", max_new_tokens=MAX_NEW)
-        try:
-            with pytest.raises(ServerNotGreedy) as caught:
-                list(critic.stream_generate(QUESTIONS[0]))
-        finally:
-            critic.close()
+    with (
+        StubServer(penalise) as proxy,
+        ServedReflectionCritic(proxy.url, api="openai", max_new_tokens=MAX_NEW) as critic,
+        pytest.raises(ServerNotGreedy) as caught,
+    ):
+        list(critic.stream_generate(QUESTIONS[0]))
     assert f"at generated position {caught.value.position}" in str(caught.value)
+
+
+# --- a proxy between the critic and the server changes the stream --------------------------------
+
+
+def _events_changed(upstream: str, change: Callable[[list[bytes]], list[bytes]]) -> Any:
+    """A proxy handler: requests go on to ``upstream``; a streamed answer's events come back
+    as ``change`` makes them (the SSE events without their blank-line separators)."""
+
+    def handler(method: str, path: str, body: Any) -> Reply:
+        reply = forward(upstream, method, path, body)
+        if method == "POST" and body and body.get("stream"):
+            events = [e for e in reply.body.split(b"\n\n") if e.strip()]
+            reply.body = b"".join(event + b"\n\n" for event in change(events))
+        return reply
+
+    return handler
+
+
+def _streamed(url: str, api: str, question: str) -> list[str]:
+    with ServedReflectionCritic(url, api=api, max_new_tokens=MAX_NEW, timeout=30) as critic:
+        return list(critic.stream_generate(question))
+
+
+def _tokens(events: list[bytes]) -> list[int]:
+    """Indices of the events that carry a token whose text is not empty."""
+    found = []
+    for i, event in enumerate(events):
+        data = event.removeprefix(b"data: ")
+        if data.strip() == b"[DONE]":
+            continue
+        body = json.loads(data)
+        text = body["choices"][0]["text"] if "choices" in body else body.get("content", "")
+        if text.strip():
+            found.append(i)
+    return found
+
+
+def test_a_stream_cut_short_by_a_proxy_is_an_error_naming_it(server: tuple[str, str]) -> None:
+    upstream, api = server
+    cut = _events_changed(upstream, lambda events: events[:4])
+    with (
+        StubServer(cut) as proxy,
+        pytest.raises(MalformedResponse, match="ended its stream after 4 event") as caught,
+    ):
+        _streamed(proxy.url, api, QUESTIONS[0])
+    assert proxy.url in str(caught.value)
+
+
+def test_an_event_sent_twice_is_an_error_naming_the_server(server: tuple[str, str]) -> None:
+    upstream, api = server
+
+    def twice(events: list[bytes]) -> list[bytes]:
+        i = _tokens(events)[2]
+        return [*events[: i + 1], events[i], *events[i + 1 :]]
+
+    with (
+        StubServer(_events_changed(upstream, twice)) as proxy,
+        pytest.raises(MalformedResponse, match="repeats") as caught,
+    ):
+        _streamed(proxy.url, api, QUESTIONS[0])
+    assert proxy.url in str(caught.value)
+
+
+def test_events_whose_data_spans_several_lines_read_as_one(
+    server: tuple[str, str], local: ReflectionCritic
+) -> None:
+    upstream, api = server
+
+    def split(events: list[bytes]) -> list[bytes]:
+        out = []
+        for event in events:
+            data = event.removeprefix(b"data: ")
+            if data.strip() != b"[DONE]":  # the JSON over several lines, one data: field each
+                data = json.dumps(json.loads(data), indent=1).encode()
+            out.append(b"\n".join(b"data: " + line for line in data.split(b"\n")))
+        return out
+
+    with StubServer(_events_changed(upstream, split)) as proxy:
+        pieces = _streamed(proxy.url, api, QUESTIONS[1])
+    assert len(pieces) > 1 and "".join(pieces) == local.generate(QUESTIONS[1])
+
+
+def test_tokens_a_native_stream_leaves_out_come_from_a_whole_completion(
+    talkative_gguf: Path, llama_server: Any, local: ReflectionCritic
+) -> None:
+    # llama-server never streams the id of a token that ends inside a UTF-8 character (its text
+    # comes with the next token's): its count of generated tokens jumps. Dropping an event
+    # makes the same jump; the answer must still be the whole one.
+    upstream = llama_server(talkative_gguf).url
+
+    def drop(events: list[bytes]) -> list[bytes]:
+        i = _tokens(events)[-3]  # late: text before it is streamed, the rest held back
+        return [*events[:i], *events[i + 1 :]]
+
+    with StubServer(_events_changed(upstream, drop)) as proxy:
+        pieces = _streamed(proxy.url, "llama.cpp", QUESTIONS[0])
+        assert proxy.count("/completion") == 2  # the stream, then the whole completion
+    assert len(pieces) > 1 and "".join(pieces) == local.generate(QUESTIONS[0])

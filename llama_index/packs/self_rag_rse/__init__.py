@@ -5,7 +5,7 @@ stays cheap and optional dependencies (llama-cpp-python, matplotlib) load only w
 that needs them is used. Internals stay importable from their modules.
 """
 
-# ruff: noqa: F401 - the TYPE_CHECKING imports only show the lazy exports to type checkers
+# ruff: noqa: F401 - the TYPE_CHECKING imports are the public names, loaded on first use
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from llama_index.packs.self_rag_rse.common.lazy import lazy_exports
 
-if TYPE_CHECKING:  # what type checkers and IDEs see of the names below
+if TYPE_CHECKING:  # the public names: what type checkers see, and the lazy table
     from llama_index.packs.self_rag_rse.context.headers import ContextualHeaders
     from llama_index.packs.self_rag_rse.context.sectioner import DocumentSectioner
     from llama_index.packs.self_rag_rse.download import download_llama_pack
@@ -36,31 +36,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see of the names below
     from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
     from llama_index.packs.self_rag_rse.served.reflection_critic import ServedReflectionCritic
 
-#: Public name -> module that defines it; ``__all__`` is this table's keys.
-_EXPORTS = {
-    "SelfRAGQueryEngine": "self_rag.engine",
-    "SelfRAGPack": "pack",
-    "RelevantSegmentPostprocessor": "rse.postprocessor",
-    "SegmentExtraction": "rse.types",
-    "ChunkIndexer": "rse.chunk_index",
-    "DocumentSectioner": "context.sectioner",
-    "ContextualHeaders": "context.headers",
-    "CHUNK_INDEX_KEY": "rse.chunk_index",
-    "BaseCritic": "self_rag.contract",
-    "ParagraphJudgement": "self_rag.contract",
-    "RetrievalDecision": "self_rag.contract",
-    "CriticBackend": "self_rag.backend",
-    "PromptedCritic": "self_rag.prompted_critic",
-    "ReflectionCritic": "llamacpp.reflection_critic",
-    "LlamaCppBackend": "llamacpp.backend",
-    "ServedReflectionCritic": "served.reflection_critic",
-    "find_best_segments": "rse.segments",
-    "get_preset": "rse.values",
-    "PRESETS": "rse.values",
-    "plot_segments": "rse.plot",
-    "download_llama_pack": "download",
-}
-
-__all__ = sorted(_EXPORTS)
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

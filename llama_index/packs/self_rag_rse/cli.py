@@ -91,16 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
         "the installed pack",
     )
     download.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the pack's files in a non-empty DIR (other files are kept)",
-    )
-    download.add_argument(
-        "--use-existing",
-        action="store_true",
-        help="if DIR already holds a copy, use it as it is (core's refresh_cache=False)",
-    )
-    download.add_argument(
         "--extra",
         action="append",
         default=[],
@@ -108,11 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="also satisfy this optional-dependency group of the pack (repeatable), "
         "e.g. --extra llama-cpp",
     )
-    download.add_argument(
-        "--no-install",
-        action="store_true",
-        help="install nothing; print the pip command for missing requirements",
-    )
+    for flag, text in (
+        ("--overwrite", "replace the pack's files in a non-empty DIR (other files are kept)"),
+        (
+            "--use-existing",
+            "if DIR already holds a copy, use it as it is (core's refresh_cache=False)",
+        ),
+        ("--no-install", "install nothing; print the pip command for missing requirements"),
+    ):
+        download.add_argument(flag, action="store_true", help=text)
     commands.add_parser("list", help="list the names download-llamapack accepts")
     add_evaluate_parser(commands)
     return parser

@@ -28,8 +28,17 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # declared for Python 3.10 as tomli
+    import tomli as tomllib
 
 logger = logging.getLogger(__name__)
 
@@ -314,9 +323,9 @@ def missing_requirements(pyproject: Path, extras: Sequence[str] = ()) -> list[st
             continue
         seen.add(extra)
         for req in groups.get(extra, []):
-            name, inner = _split_requirement(req)
-            if _normalize(name) == _normalize(DISTRIBUTION):
-                pending.extend(inner)
+            parsed = _requirement(req)
+            if canonicalize_name(parsed.name) == canonicalize_name(DISTRIBUTION):
+                pending.extend(sorted(parsed.extras))  # a set: sorted, so pip's order is stable
             else:
                 requirements.append(req)
     return [req for req in dict.fromkeys(requirements) if not _satisfied(req)]
@@ -364,7 +373,7 @@ def _belongs_to_pack(root: Path) -> bool:
     if not pyproject.is_file():
         return False
     name = _read_toml(pyproject).get("project", {}).get("name", "")
-    return bool(_normalize(name) == _normalize(DISTRIBUTION))
+    return bool(canonicalize_name(name) == canonicalize_name(DISTRIBUTION))
 
 
 def _refuse_symlinks(dest: Path, plan: dict[Path, Path]) -> None:
@@ -439,10 +448,6 @@ def install_missing_requirements(
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
     with path.open("rb") as handle:
         try:
             return tomllib.load(handle)
@@ -450,35 +455,18 @@ def _read_toml(path: Path) -> dict[str, Any]:
             raise ValueError(f"{path} is not valid TOML ({error}); fix or restore it") from error
 
 
-_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?")
-
-
-def _split_requirement(req: str) -> tuple[str, list[str]]:
-    match = _NAME.match(req)
-    if match is None:
-        raise ValueError(f"Cannot read the requirement {req!r} in pyproject.toml")
-    extras = [e.strip() for e in (match.group(2) or "").split(",") if e.strip()]
-    return match.group(1), extras
-
-
-def _normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+def _requirement(req: str) -> Requirement:
+    try:
+        return Requirement(req)
+    except InvalidRequirement as error:
+        raise ValueError(
+            f"Cannot read the requirement {req!r} in pyproject.toml ({error}); fix or restore it"
+        ) from error
 
 
 def _satisfied(req: str) -> bool:
-    """Whether an installed distribution satisfies ``req`` (name only without ``packaging``)."""
-    from importlib import metadata
-
-    try:
-        from packaging.requirements import Requirement
-    except ModuleNotFoundError:
-        name, _ = _split_requirement(req)
-        try:
-            metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return False
-        return True
-    parsed = Requirement(req)
+    """Whether the running environment satisfies ``req`` (version and marker included)."""
+    parsed = _requirement(req)
     if parsed.marker is not None and not parsed.marker.evaluate():
         return True
     try:

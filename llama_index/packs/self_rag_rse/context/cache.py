@@ -28,8 +28,6 @@ from typing import Any
 from llama_index.core.storage.kvstore import SimpleKVStore
 from llama_index.core.storage.kvstore.types import BaseKVStore
 
-__all__ = ["CACHE_FILE_NAME", "ContextCache", "model_id"]
-
 logger = logging.getLogger(__name__)
 
 CACHE_FILE_NAME = "context_cache.json"

@@ -1,20 +1,80 @@
-"""What the two LLM-backed ingestion components share: a cache of LLM results, and the cost of
-their last run."""
+"""What the two ingestion components share: where each goes in a pipeline, a cache of LLM
+results, and the cost of their last run.
+
+:class:`~.sectioner.DocumentSectioner` takes the splitter's place (documents in, chunks out) and
+:class:`~.headers.ContextualHeaders` comes after it (chunks in). Put in the wrong place, each
+would run without complaint and quietly spoil the index: the sectioner after a splitter
+sections every chunk as if it were a document, so the chunks' offsets point into the chunk
+while their source still names the document (RSE then finds the texts contradicting the
+offsets and breaks segments there), and the headers before the splitter name no section and
+are copied into every chunk. The two are told apart the way LlamaIndex marks them: a splitter
+gives every chunk a SOURCE relationship naming the document it was cut from
+(``node.ref_doc_id``), while a reader's ``Document`` has none.
+"""
 
 from __future__ import annotations
 
-from llama_index.core.bridge.pydantic import PrivateAttr
-from llama_index.core.schema import TransformComponent
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
 
+from llama_index.core.bridge.pydantic import PrivateAttr
+from llama_index.core.schema import BaseNode, Document, TransformComponent
+
+from llama_index.packs.self_rag_rse.common.options import pydantic_fields, reject_unknown
 from llama_index.packs.self_rag_rse.context.cache import ContextCache
-from llama_index.packs.self_rag_rse.context.usage import ContextUsage
+
+
+@dataclass
+class ContextUsage:
+    """Cost of one run of a context component.
+
+    ``llm_calls`` counts calls actually sent to the LLM; ``cached`` the results read from the
+    cache instead; ``rejected`` the sectioning windows whose LLM answer could not be used (with
+    the reason), ``repairs`` the fixes made to answers that were used.
+    """
+
+    documents: int = 0
+    llm_calls: int = 0
+    cached: int = 0
+    seconds: float = 0.0
+    rejected: list[str] = field(default_factory=list)
+    repairs: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-able copy."""
+        return asdict(self)
 
 
 class ContextComponent(TransformComponent):
-    """Base of :class:`~.headers.ContextualHeaders` and :class:`~.sectioner.DocumentSectioner`."""
+    """Base of :class:`~.headers.ContextualHeaders` and :class:`~.sectioner.DocumentSectioner`:
+    options checked at construction (unknown ones raise), a cache, the last run's usage."""
 
+    #: Options that must be at least the given number.
+    _minimums: ClassVar[dict[str, int]] = {}
     _cache: ContextCache = PrivateAttr()
     _usage: ContextUsage = PrivateAttr(default_factory=ContextUsage)
+
+    def __init__(self, *, cache: Any = None, **kwargs: Any) -> None:
+        name = type(self).__name__
+        # Pydantic would drop a misspelt option silently and use its default.
+        reject_unknown(name, kwargs, pydantic_fields(type(self)) | {"cache"})
+        super().__init__(**kwargs)
+        for option, low in self._minimums.items():
+            if getattr(self, option) < low:
+                raise ValueError(
+                    f"{name}: {option} must be at least {low}, got {getattr(self, option)}"
+                )
+        self._check_options()
+        self._cache = ContextCache.coerce(cache)
+
+    def _check_options(self) -> None:
+        """Raise ``ValueError`` for options that do not fit together."""
+
+    @classmethod
+    def class_name(cls) -> str:
+        """Name used in serialisation."""
+        return cls.__name__
 
     @property
     def usage(self) -> ContextUsage:
@@ -25,3 +85,44 @@ class ContextComponent(TransformComponent):
     def cache(self) -> ContextCache:
         """The per-document cache of LLM results (titles, summaries, sectionings)."""
         return self._cache
+
+
+#: The pipeline both messages show.
+PIPELINE = (
+    "IngestionPipeline(transformations=[DocumentSectioner(splitter=SentenceSplitter(...)), "
+    "ChunkIndexer(), ContextualHeaders(), embed_model])"
+)
+
+
+def source_of(node: BaseNode) -> str | None:
+    """The id of the document ``node`` was cut from, or ``None`` when it is a document itself."""
+    source = node.ref_doc_id
+    return source if source is not None and source != node.node_id else None
+
+
+def check_documents(component: str, nodes: Sequence[BaseNode]) -> None:
+    """Raise ``ValueError`` if any of ``nodes`` is already a chunk of a document."""
+    chunks = [node for node in nodes if source_of(node) is not None]
+    if chunks:
+        first = chunks[0]
+        raise ValueError(
+            f"{component} got {len(chunks)} node(s) that are already chunks of a document "
+            f"(node {first.node_id!r} is a chunk of {source_of(first)!r}): a chunk sectioned "
+            "as if it were a document gets offsets inside the chunk, which contradict its "
+            f"document. {component} replaces the splitter: give it the documents, in the "
+            f"splitter's place: {PIPELINE}"
+        )
+
+
+def check_chunks(component: str, nodes: Sequence[BaseNode]) -> None:
+    """Raise ``ValueError`` if any of ``nodes`` is a whole ``Document`` (the splitter or the
+    sectioner has not run yet)."""
+    documents = [node for node in nodes if isinstance(node, Document) and source_of(node) is None]
+    if documents:
+        raise ValueError(
+            f"{component} got {len(documents)} whole document(s) (e.g. {documents[0].node_id!r}, "
+            "a Document with no source document): it writes each chunk's header from its "
+            "document and section, and a document has no section yet; a splitter after it "
+            f"would copy that header into every chunk. Put {component} after the splitter or "
+            f"DocumentSectioner (and ChunkIndexer), right before the embedding model: {PIPELINE}"
+        )

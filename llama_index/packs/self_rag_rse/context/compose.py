@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["compose_header", "compose_segment_header", "section_label"]
-
 #: Joins the titles of a section path.
 PATH_SEPARATOR = " > "
 #: Most section paths named in a segment header before the rest are elided.

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Awaitable, Sequence
 from pathlib import PurePath
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from llama_index.core.async_utils import run_jobs
 from llama_index.core.bridge.pydantic import Field, SerializeAsAny
@@ -29,11 +29,13 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import BaseNode, MetadataMode
 
 from llama_index.packs.self_rag_rse.common.bridge import run_sync
-from llama_index.packs.self_rag_rse.common.options import pydantic_fields, reject_unknown
 from llama_index.packs.self_rag_rse.context.cache import ContextCache, model_id
-from llama_index.packs.self_rag_rse.context.component import ContextComponent
+from llama_index.packs.self_rag_rse.context.component import (
+    ContextComponent,
+    ContextUsage,
+    check_chunks,
+)
 from llama_index.packs.self_rag_rse.context.compose import compose_header, section_label
-from llama_index.packs.self_rag_rse.context.inputs import check_chunks
 from llama_index.packs.self_rag_rse.context.keys import (
     DOCUMENT_HEADING_KEY,
     DOCUMENT_SUMMARY_KEY,
@@ -48,14 +50,10 @@ from llama_index.packs.self_rag_rse.context.prompts import (
     DOCUMENT_TITLE_PROMPT,
     SECTION_SUMMARY_PROMPT,
 )
-from llama_index.packs.self_rag_rse.context.usage import ContextUsage
-
-__all__ = ["ContextualHeaders"]
 
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
 
-_PARTS = ("cache",)
 TitleSource = Literal["metadata", "heading", "llm", "file_name"]
 #: Longest title and summary kept from an LLM answer.
 MAX_TITLE_CHARS = 120
@@ -127,16 +125,10 @@ class ContextualHeaders(ContextComponent):
         description="Prompt for a section summary, with {title}, {section} and {text}.",
     )
 
-    def __init__(self, *, cache: Any = None, **kwargs: Any) -> None:
-        # Pydantic would drop a misspelt option silently and use its default.
-        reject_unknown(type(self).__name__, kwargs, pydantic_fields(type(self)) | set(_PARTS))
-        super().__init__(**kwargs)
+    _minimums: ClassVar[dict[str, int]] = {"max_llm_chars": 1, "num_workers": 1}
+
+    def _check_options(self) -> None:
         name = type(self).__name__
-        for option in ("max_llm_chars", "num_workers"):
-            if getattr(self, option) < 1:
-                raise ValueError(
-                    f"{name}: {option} must be at least 1, got {getattr(self, option)}"
-                )
         if self.llm is None:
             wanted = [o for o in ("document_summary", "section_summary") if getattr(self, o)]
             if wanted or "llm" in (self.title_sources or []):
@@ -147,12 +139,6 @@ class ContextualHeaders(ContextComponent):
                 )
         if self.title_sources is not None and not self.title_sources:
             raise ValueError(f"{name}: title_sources is empty: name at least one source")
-        self._cache = ContextCache.coerce(cache)
-
-    @classmethod
-    def class_name(cls) -> str:
-        """Name used in serialisation."""
-        return "ContextualHeaders"
 
     # -- TransformComponent -------------------------------------------------------------------
     @dispatcher.span
@@ -171,38 +157,32 @@ class ContextualHeaders(ContextComponent):
         titles = {doc: self._given_title(members) for doc, members in documents.items()}
         need_title = [doc for doc, title in titles.items() if title is None]
         found = await self._run(
-            [self._llm_title(documents[doc]) for doc in need_title], show_progress, "Titles"
+            [self._ask("title", documents[doc], MAX_TITLE_CHARS) for doc in need_title],
+            show_progress,
+            "Titles",
         )
         for doc, title in zip(need_title, found, strict=True):
             titles[doc] = title or _file_title(documents[doc])
-        summaries: dict[str, str] = {}
-        section_summaries: dict[tuple[str, Any], str] = {}
-        jobs: list[Awaitable[Any]] = []
-        keys: list[tuple[str, Any]] = []
-        if self.document_summary:
-            for doc, members in documents.items():
-                jobs.append(self._llm_document_summary(titles[doc] or "", members))
-                keys.append((doc, None))
-        if self.section_summary:
-            for doc, members in documents.items():
+        # Summaries keyed (document, None) for a document's, (document, section) for a section's.
+        jobs: dict[tuple[str, Any], Awaitable[str]] = {}
+        for doc, members in documents.items():
+            if self.document_summary:
+                jobs[doc, None] = self._ask(
+                    "document_summary", members, MAX_SUMMARY_CHARS, title=titles[doc] or ""
+                )
+            if self.section_summary:
                 for section, part in _by_section(members).items():
-                    jobs.append(self._llm_section_summary(titles[doc] or "", part))
-                    keys.append((doc, section))
-        for (doc, section), text in zip(
-            keys, await self._run(jobs, show_progress, "Summaries"), strict=True
-        ):
-            if section is None:
-                summaries[doc] = text
-            else:
-                section_summaries[(doc, section)] = text
+                    jobs[doc, section] = self._llm_section_summary(titles[doc] or "", part)
+        found = await self._run(list(jobs.values()), show_progress, "Summaries")
+        summaries = dict(zip(jobs, found, strict=True))
         self._cache.persist()
         for doc, members in documents.items():
             for node in members:
                 self._write(
                     node,
                     titles[doc] or "",
-                    summaries.get(doc),
-                    section_summaries.get((doc, _section_of(node))),
+                    summaries.get((doc, None)),
+                    summaries.get((doc, _section_of(node))),
                 )
         self._usage.seconds = time.perf_counter() - started
         return nodes
@@ -237,40 +217,30 @@ class ContextualHeaders(ContextComponent):
                 )
         return ""
 
-    async def _llm_title(self, members: list[BaseNode]) -> str:
-        text = _joined_text(members)[: self.max_llm_chars]
-        answer = await self._ask("title", self.title_prompt, text=text)
-        return _first_line(answer, MAX_TITLE_CHARS)
-
-    async def _llm_document_summary(self, title: str, members: list[BaseNode]) -> str:
-        text = _joined_text(members)[: self.max_llm_chars]
-        answer = await self._ask(
-            "document_summary", self.document_summary_prompt, title=title, text=text
-        )
-        return _first_line(answer, MAX_SUMMARY_CHARS)
-
     async def _llm_section_summary(self, title: str, members: list[BaseNode]) -> str:
         label = section_label(members[0].metadata.get(SECTION_PATH_KEY) or [])
         if not label:
             return ""
-        text = _joined_text(members)[: self.max_llm_chars]
-        answer = await self._ask(
-            "section_summary", self.section_summary_prompt, title=title, section=label, text=text
+        return await self._ask(
+            "section_summary", members, MAX_SUMMARY_CHARS, title=title, section=label
         )
-        return _first_line(answer, MAX_SUMMARY_CHARS)
 
-    async def _ask(self, kind: str, prompt: BasePromptTemplate, **variables: str) -> str:
-        """One LLM answer, from the cache when the same question was asked of the same model."""
+    async def _ask(self, kind: str, members: list[BaseNode], limit: int, **variables: str) -> str:
+        """The first line (at most ``limit`` characters) of the LLM's answer to the ``kind``
+        prompt about ``members``; from the cache when asked of the same model before."""
         assert self.llm is not None
+        prompt: BasePromptTemplate = getattr(self, f"{kind}_prompt")
+        variables["text"] = _joined_text(members)[: self.max_llm_chars]
         key = ContextCache.key(kind, model_id(self.llm), prompt.get_template(), variables)
         cached = await self._cache.aget(kind, key)
         if cached is not None:
             self._usage.cached += 1
-            return str(cached["text"])
-        self._usage.llm_calls += 1
-        text = await self.llm.apredict(prompt, **variables)
-        await self._cache.aput(kind, key, {"text": text})
-        return text
+            text = str(cached["text"])
+        else:
+            self._usage.llm_calls += 1
+            text = await self.llm.apredict(prompt, **variables)
+            await self._cache.aput(kind, key, {"text": text})
+        return _first_line(text, limit)
 
     async def _run(self, jobs: list[Awaitable[Any]], show_progress: bool, what: str) -> list[Any]:
         if not jobs:

@@ -31,8 +31,6 @@ from llama_index.packs.self_rag_rse.context.sections import (
     sections_from_starts,
 )
 
-__all__ = ["Heading", "find_headings", "heading_sections"]
-
 _ATX = re.compile(r"^(#{1,6})[ \t]+(.*?)[ \t#]*\r?$")
 _ADORNMENT = re.compile(r"^([!-/:-@\[-`{-~])\1{2,}\s*$")
 _NUMBERED = re.compile(r"^(\d{1,3}(?:\.\d{1,3})*)\.?[ \t]+(\S.*?)\s*$")

@@ -28,8 +28,6 @@ from llama_index.packs.self_rag_rse.context.partition import (
 )
 from llama_index.packs.self_rag_rse.context.sections import LineIndex, SectionStart
 
-__all__ = ["LLMSectioning", "SectionPartition", "SectionSpan", "llm_section_starts"]
-
 logger = logging.getLogger(__name__)
 
 

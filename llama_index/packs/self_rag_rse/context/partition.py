@@ -24,15 +24,6 @@ from dataclasses import dataclass, field
 
 from llama_index.packs.self_rag_rse.context.sections import LineIndex, SectionStart
 
-__all__ = [
-    "PartitionError",
-    "RepairedPartition",
-    "plan_next_window",
-    "render_window",
-    "repair_partition",
-    "window_end",
-]
-
 #: Longest title kept from a model; longer ones are cut at a word boundary.
 MAX_TITLE_CHARS = 120
 

@@ -7,13 +7,6 @@ from __future__ import annotations
 
 from llama_index.core.prompts import PromptTemplate
 
-__all__ = [
-    "DOCUMENT_SUMMARY_PROMPT",
-    "DOCUMENT_TITLE_PROMPT",
-    "SECTIONING_PROMPT",
-    "SECTION_SUMMARY_PROMPT",
-]
-
 #: Variables: ``first``, ``last`` (line numbers), ``lines`` (the numbered lines).
 SECTIONING_PROMPT = PromptTemplate(
     "You are reading part of a document. Every line starts with its number in square "

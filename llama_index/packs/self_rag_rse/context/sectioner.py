@@ -18,7 +18,7 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from llama_index.core.async_utils import run_jobs
 from llama_index.core.bridge.pydantic import Field, SerializeAsAny
@@ -36,11 +36,13 @@ from llama_index.core.schema import (
 )
 
 from llama_index.packs.self_rag_rse.common.bridge import run_sync
-from llama_index.packs.self_rag_rse.common.options import pydantic_fields, reject_unknown
 from llama_index.packs.self_rag_rse.context.cache import ContextCache, model_id
-from llama_index.packs.self_rag_rse.context.component import ContextComponent
+from llama_index.packs.self_rag_rse.context.component import (
+    ContextComponent,
+    ContextUsage,
+    check_documents,
+)
 from llama_index.packs.self_rag_rse.context.headings import heading_sections
-from llama_index.packs.self_rag_rse.context.inputs import check_documents
 from llama_index.packs.self_rag_rse.context.keys import (
     DOCUMENT_HEADING_KEY,
     SECTION_INDEX_KEY,
@@ -58,14 +60,9 @@ from llama_index.packs.self_rag_rse.context.sections import (
     SectionStart,
     sections_from_starts,
 )
-from llama_index.packs.self_rag_rse.context.usage import ContextUsage
-
-__all__ = ["DocumentSectioner"]
 
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
-
-_PARTS = ("cache",)
 
 
 @dataclass
@@ -151,44 +148,25 @@ class DocumentSectioner(ContextComponent):
         description="Prompt of the 'llm' strategy, with {first}, {last} and {lines}.",
     )
 
-    def __init__(self, *, cache: Any = None, **kwargs: Any) -> None:
-        # Pydantic would drop a misspelt option silently and use its default.
-        reject_unknown(type(self).__name__, kwargs, pydantic_fields(type(self)) | set(_PARTS))
-        super().__init__(**kwargs)
-        for name, low in (
-            ("window_chars", 200),
-            ("max_line_chars", 20),
-            ("min_section_lines", 1),
-            ("num_workers", 1),
-        ):
-            value = getattr(self, name)
-            if value < low:
-                raise ValueError(
-                    f"{type(self).__name__}: {name} must be at least {low}, got {value}"
-                )
+    _minimums: ClassVar[dict[str, int]] = {
+        "window_chars": 200,
+        "max_line_chars": 20,
+        "min_section_lines": 1,
+        "num_workers": 1,
+    }
+
+    def _check_options(self) -> None:
         if self.strategy == "llm" and self.llm is None:
             raise ValueError(
                 f"{type(self).__name__}(strategy='llm') needs an llm: pass llm=<a LlamaIndex LLM>, "
                 "or use strategy='headings' (offline)"
             )
-        self._cache = ContextCache.coerce(cache)
-
-    @classmethod
-    def class_name(cls) -> str:
-        """Name used in serialisation."""
-        return "DocumentSectioner"
 
     # -- TransformComponent -----------------------------------------------------------------
     @dispatcher.span
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         """Documents in, section-bounded chunks out."""
-        check_documents(type(self).__name__, nodes)
-        if self.strategy == "llm":
-            return run_sync(self.acall(nodes, **kwargs))
-        started = time.perf_counter()
-        self._usage = ContextUsage(documents=len(nodes))
-        plans = [self._heading_plan(node) for node in nodes]
-        return self._finish(nodes, plans, started, kwargs)
+        return run_sync(self.acall(nodes, **kwargs))
 
     @dispatcher.span
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
@@ -196,19 +174,26 @@ class DocumentSectioner(ContextComponent):
         check_documents(type(self).__name__, nodes)
         started = time.perf_counter()
         self._usage = ContextUsage(documents=len(nodes))
+        show_progress = bool(kwargs.get("show_progress", False))
         if self.strategy == "headings":
             plans = [self._heading_plan(node) for node in nodes]
         else:
             jobs = [self._llm_plan(node) for node in nodes]
             plans = await run_jobs(
-                jobs,
-                show_progress=bool(kwargs.get("show_progress", False)),
-                workers=self.num_workers,
-                desc="Sectioning documents (LLM)",
+                jobs, show_progress, workers=self.num_workers, desc="Sectioning documents (LLM)"
             )
             self._cache.persist()
-            self._log_rejections()
-        return self._finish(nodes, plans, started, kwargs)
+            if rejected := self._usage.rejected:
+                logger.warning(
+                    "DocumentSectioner: the LLM's sections were rejected in %d window(s); those "
+                    "windows use the document's headings instead. First: %s. Fix: a stronger "
+                    "model or smaller window_chars (see DocumentSectioner.usage.rejected for all).",
+                    len(rejected),
+                    rejected[0],
+                )
+        chunks = self._chunk(nodes, plans, show_progress)
+        self._usage.seconds = time.perf_counter() - started
+        return chunks
 
     # -- sectioning ---------------------------------------------------------------------------
     def sections(self, text: str) -> tuple[list[Section], str | None]:
@@ -238,11 +223,6 @@ class DocumentSectioner(ContextComponent):
             cached = None  # that answer fell back to headings: ask again, and raise this time
         if cached is not None:
             self._usage.cached += 1
-            starts = [
-                SectionStart(line, title, (title,) if title else ())
-                for line, title in cached["starts"]
-            ]
-            rejected = list(cached.get("rejected", []))
         else:
             found = await llm_section_starts(
                 index,
@@ -257,37 +237,14 @@ class DocumentSectioner(ContextComponent):
             )
             self._usage.llm_calls += found.calls
             self._usage.repairs.extend(found.repairs)
-            starts = _join_continued(
-                [SectionStart(s.line, s.title, (s.title,) if s.title else ()) for s in found.starts]
-            )
-            rejected = found.rejected
-            await self._cache.aput(
-                "sections",
-                key,
-                {"starts": [[s.line, s.title] for s in starts], "rejected": rejected},
-            )
+            joined = _join_continued([_start(s.line, s.title) for s in found.starts])
+            cached = {"starts": [[s.line, s.title] for s in joined], "rejected": found.rejected}
+            await self._cache.aput("sections", key, cached)
+        starts = [_start(line, title) for line, title in cached["starts"]]
+        rejected = list(cached.get("rejected", []))
         self._usage.rejected.extend(rejected)
         source = "llm" if not rejected else "llm, headings where rejected"
         return _Plan(sections_from_starts(index, starts), heading, source)
-
-    def _log_rejections(self) -> None:
-        rejected = self._usage.rejected
-        if rejected:
-            logger.warning(
-                "DocumentSectioner: the LLM's sections were rejected in %d window(s); those "
-                "windows use the document's headings instead. First: %s. Fix: a stronger model "
-                "or smaller window_chars (see DocumentSectioner.usage.rejected for all).",
-                len(rejected),
-                rejected[0],
-            )
-
-    # -- chunking -------------------------------------------------------------------------------
-    def _finish(
-        self, nodes: Sequence[BaseNode], plans: list[_Plan], started: float, kwargs: dict[str, Any]
-    ) -> list[BaseNode]:
-        chunks = self._chunk(nodes, plans, bool(kwargs.get("show_progress", False)))
-        self._usage.seconds = time.perf_counter() - started
-        return chunks
 
     def _chunk(
         self, nodes: Sequence[BaseNode], plans: list[_Plan], show_progress: bool
@@ -419,6 +376,11 @@ def _join_continued(starts: list[SectionStart]) -> list[SectionStart]:
             continue
         joined.append(start)
     return joined
+
+
+def _start(line: int, title: str) -> SectionStart:
+    """An LLM section's start: its title is its path (the LLM gives no nesting)."""
+    return SectionStart(line, title, (title,) if title else ())
 
 
 def _section_metadata(section: Section, k: int, plan: _Plan) -> dict[str, Any]:

@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["LineIndex", "Section", "SectionStart", "sections_from_starts"]
-
 
 @dataclass(frozen=True)
 class Section:

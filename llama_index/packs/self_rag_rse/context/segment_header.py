@@ -24,8 +24,6 @@ from llama_index.packs.self_rag_rse.context.keys import (
     SEGMENT_HEADER_KEY,
 )
 
-__all__ = ["add_segment_header", "segment_header"]
-
 
 def segment_header(node: BaseNode, members: Sequence[BaseNode] = ()) -> str:
     """The header for a segment ``node`` made of ``members`` (its chunks, in order).

@@ -1,10 +1,6 @@
-"""What is evaluated: the index, and the five engines compared out of the box on it.
-
-One index builder for ``self-rag-rse evaluate`` and ``benchmarks/bench_rse_quality.py``, so both
-measure engines on indexes built the same way (preparing and embedding timed apart: the benchmark
-compares what each preparation costs). Every engine shares the retriever settings and the LLM,
-so the differences are the techniques' (:data:`ENGINE_DESCRIPTIONS`).
-"""
+"""What is evaluated: the index (built as ``benchmarks/bench_rse_quality.py`` builds its own),
+and the five engines compared on it, which share the retriever settings and the LLM, so the
+differences are the techniques' (:data:`ENGINE_DESCRIPTIONS`)."""
 
 from __future__ import annotations
 
@@ -12,14 +8,19 @@ import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from llama_index.core import Document, StorageContext, VectorStoreIndex
+from llama_index.core.base.base_query_engine import BaseQueryEngine
+from llama_index.core.ingestion import IngestionPipeline
+from llama_index.core.node_parser import SentenceSplitter
+from llama_index.core.query_engine import RetrieverQueryEngine
+from llama_index.core.schema import BaseNode, TransformComponent
 
 from llama_index.packs.self_rag_rse.common.optional import optional_import
-
-if TYPE_CHECKING:  # imported when an index is built: the command line starts without them
-    from llama_index.core import Document, VectorStoreIndex
-    from llama_index.core.base.base_query_engine import BaseQueryEngine
-    from llama_index.core.schema import BaseNode, TransformComponent
+from llama_index.packs.self_rag_rse.rse.chunk_index import ChunkIndexer
+from llama_index.packs.self_rag_rse.rse.postprocessor import RelevantSegmentPostprocessor
+from llama_index.packs.self_rag_rse.self_rag.engine import SelfRAGQueryEngine
 
 #: The command's chunking (tokens): as the demo's.
 CHUNK_SIZE, CHUNK_OVERLAP = 128, 16
@@ -53,18 +54,8 @@ def build_index(
     *,
     collection: str = "evaluation",
 ) -> BuiltIndex:
-    """Run ``transformations`` over copies of ``documents``, embed the chunks, store them.
-
-    Default transformations: ``SentenceSplitter(CHUNK_SIZE, CHUNK_OVERLAP)`` and
-    ``ChunkIndexer(stable_ids=True)`` (the chunk indexes RSE reads its segments by). The store
-    is a fresh in-memory Qdrant collection named ``collection``.
-    """
-    from llama_index.core import StorageContext, VectorStoreIndex
-    from llama_index.core.ingestion import IngestionPipeline
-    from llama_index.core.node_parser import SentenceSplitter
-
-    from llama_index.packs.self_rag_rse.rse.chunk_index import ChunkIndexer
-
+    """Chunk copies of ``documents`` (default: ``SentenceSplitter`` and ``ChunkIndexer``, whose
+    chunk indexes RSE reads), embed them, store them in a fresh in-memory Qdrant collection."""
     qdrant = optional_import("llama_index.vector_stores.qdrant", "the evaluation index")
     client = optional_import("qdrant_client", "the evaluation index")
     if transformations is None:
@@ -98,22 +89,9 @@ def default_engines(
     rse_options: Mapping[str, Any] | None = None,
     self_rag_options: Mapping[str, Any] | None = None,
 ) -> dict[str, BaseQueryEngine]:
-    """Build the engines of :data:`ENGINE_NAMES` (or the subset ``engines``, in that order).
-
-    Every engine retrieves ``similarity_top_k`` chunks from ``index`` (any index with
-    ``as_retriever``; RSE reads the chunks between hits from its docstore or vector store) and
-    answers with ``llm`` (a ``LlamaCPP`` gives Self-RAG batched decoding with exact label
-    probabilities). ``rse_options`` go to ``RelevantSegmentPostprocessor`` (small models need
-    short segments, e.g. ``{"max_length": 6, "overall_max_length": 12}``); ``self_rag_options``
-    to the three ``SelfRAGQueryEngine`` (``ndocs``, ``mode``, ``critic``, ...; ``corrective``
-    is set per engine). Unknown names and options raise. Self-RAG engines own the critic they
-    build: :func:`close_engines` when done (the LLM stays open).
-    """
-    from llama_index.core.query_engine import RetrieverQueryEngine
-
-    from llama_index.packs.self_rag_rse.rse.postprocessor import RelevantSegmentPostprocessor
-    from llama_index.packs.self_rag_rse.self_rag.engine import SelfRAGQueryEngine
-
+    """The engines of :data:`ENGINE_NAMES` (or the subset ``engines``) on ``index`` and ``llm``;
+    ``rse_options`` go to ``RelevantSegmentPostprocessor``, ``self_rag_options`` to the
+    ``SelfRAGQueryEngine``. Self-RAG engines own their critic: :func:`close_engines` when done."""
     names = list(engines) if engines is not None else list(ENGINE_NAMES)
     if unknown := [n for n in names if n not in ENGINE_DESCRIPTIONS]:
         raise ValueError(f"unknown engine(s) {unknown}; choose from {list(ENGINE_NAMES)}")
@@ -121,28 +99,22 @@ def default_engines(
         raise ValueError(f"similarity_top_k must be at least 1, got {similarity_top_k}")
     if "corrective" in (self_rag_options or {}):
         raise ValueError("self_rag_options must not set corrective: it is set per engine")
-
-    def build(name: str) -> BaseQueryEngine:
-        retriever = index.as_retriever(similarity_top_k=similarity_top_k)
-        rse = name.endswith("+rse")
-        post: list[Any] = (
-            [RelevantSegmentPostprocessor(index=index, **dict(rse_options or {}))] if rse else []
-        )
-        if name.startswith("top-k"):
-            return RetrieverQueryEngine.from_args(retriever, llm=llm, node_postprocessors=post)
-        corrective = name == "self-rag+corrective"
-        return SelfRAGQueryEngine.from_args(
-            retriever,
-            llm,
-            node_postprocessors=post,
-            corrective=corrective,
-            **(self_rag_options or {}),
-        )
-
     built: dict[str, BaseQueryEngine] = {}
     try:
         for name in names:
-            built[name] = build(name)
+            retriever = index.as_retriever(similarity_top_k=similarity_top_k)
+            post: list[Any] = []
+            if name.endswith("+rse"):
+                post.append(RelevantSegmentPostprocessor(index=index, **dict(rse_options or {})))
+            if name.startswith("top-k"):
+                built[name] = RetrieverQueryEngine.from_args(
+                    retriever, llm=llm, node_postprocessors=post
+                )
+            else:
+                options = {**(self_rag_options or {}), "corrective": name.endswith("corrective")}
+                built[name] = SelfRAGQueryEngine.from_args(
+                    retriever, llm, node_postprocessors=post, **options
+                )
     except BaseException:
         close_engines(built)
         raise

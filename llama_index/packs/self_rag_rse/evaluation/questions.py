@@ -1,14 +1,6 @@
-"""The question set, where its gold evidence lies, and how much of it an engine retrieved.
-
-A ``--qa`` line is a JSON object with ``question`` and, optionally, ``document`` (a file in
-``--docs``), ``evidence`` (text copied verbatim from it) and ``reference`` (a reference answer);
-every bad line is reported at once, before any model loads. Evidence recall is gold characters
-returned / gold characters, precision gold characters returned / characters returned, with no
-model involved (the retrieval benchmark measures the same way). Returned nodes are placed in
-their documents by RSE's ``segment_char_range``, by ``start_char_idx``/``end_char_idx`` when the
-text there matches, or by a search; overlaps count once (as in a prompt), and text that cannot
-be placed counts against precision.
-"""
+"""The question set, where its gold evidence lies, and how much of it an engine retrieved:
+evidence recall and precision in characters, no model needed (as the retrieval benchmark
+measures); overlaps count once, and returned text placed nowhere counts against precision."""
 
 from __future__ import annotations
 
@@ -17,7 +9,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
@@ -41,39 +33,50 @@ class Question:
 
 
 def read_documents(folder: str | Path) -> dict[str, str]:
-    """The ``.txt``/``.md`` files under ``folder``, keyed by path relative to it (``a/b.txt``)."""
+    """The ``.txt``/``.md`` files under ``folder`` (UTF-8), keyed by relative path (``a/b.txt``)."""
     root = Path(folder)
     if not root.is_dir():
         raise ValueError(f"--docs {root} is not a folder: pass a folder of .txt or .md files")
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".txt", ".md"))
     if not files:
         raise ValueError(f"no .txt or .md files under {root}: pass --docs with some text files")
-    return {p.relative_to(root).as_posix(): p.read_text(encoding="utf-8") for p in files}
+    return {p.relative_to(root).as_posix(): read_utf8(p, "--docs") for p in files}
+
+
+def read_utf8(path: Path, flag: str) -> str:
+    """``path``'s text; another encoding raises ``ValueError`` naming the file, line and fix."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        source = "UTF-16" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else "LATIN1"
+        raise ValueError(
+            f"{flag}: {path} line {line} is not UTF-8 ({error.reason}): convert the file, "
+            f"e.g. iconv -f {source} -t UTF-8 {path.name} > utf8-{path.name}"
+        ) from None
 
 
 def resolve_document(name: str, documents: Mapping[str, str]) -> str | None:
-    """The key of ``documents`` that ``name`` designates: itself, or a unique file name match."""
-    if name in documents:
-        return name
+    """The key of ``documents`` that ``name`` designates: itself, a unique file name match, or
+    the key an absolute path (SimpleDirectoryReader's ``file_path``) ends with."""
     matches = [key for key in documents if Path(key).name == Path(name).name]
-    return matches[0] if len(matches) == 1 else None
+    ending = next((key for key in documents if Path(name).as_posix().endswith("/" + key)), None)
+    return name if name in documents else (matches[0] if len(matches) == 1 else ending)
 
 
 def load_questions(
     path: str | Path, documents: Mapping[str, str] | None = None, limit: int | None = None
 ) -> list[Question]:
-    """Read a JSON-lines question set; with ``documents``, locate every ``evidence`` in its file.
-
-    Raises ``ValueError`` listing every bad line (not JSON, no ``question``, unknown keys,
-    ``evidence`` without ``document``, a document not in the folder, evidence not found in it).
-    Blank lines are skipped; ``limit`` keeps the first questions only.
-    """
+    """Read a JSON-lines question set, locating each ``evidence`` in ``documents``; a
+    ``ValueError`` lists every bad line. ``limit`` keeps the first questions only."""
     source = Path(path)
     if not source.is_file():
-        raise ValueError(f"--qa {source} does not exist: pass a .jsonl file of questions")
+        what = "is a folder" if source.is_dir() else "does not exist"
+        raise ValueError(f"--qa {source} {what}: pass a .jsonl file of questions")
     questions: list[Question] = []
     problems: list[str] = []
-    for number, line in enumerate(source.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(read_utf8(source, "--qa").splitlines(), start=1):
         try:
             if line.strip():
                 questions.append(_parse(json.loads(line), documents))
@@ -82,9 +85,9 @@ def load_questions(
         except ValueError as error:
             problems.append(f"line {number}: {error}")
     if problems:
-        shown = "\n  ".join(problems[:20])
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise ValueError(f"{source} has {len(problems)} bad line(s):\n  {shown}{more}")
+        more = [f"... and {len(problems) - 20} more"] if len(problems) > 20 else []
+        shown = "\n  ".join(problems[:20] + more)
+        raise ValueError(f"{source} has {len(problems)} bad line(s):\n  {shown}")
     if not questions:
         raise ValueError(f"{source} holds no question: one JSON object per line")
     return questions[:limit] if limit is not None else questions
@@ -93,34 +96,28 @@ def load_questions(
 def questions_from(
     items: Iterable[str | Question], documents: Mapping[str, str] | None = None
 ) -> list[Question]:
-    """``Question`` objects from plain strings or questions (the API accepts both).
-
-    With ``documents``, a question that names its ``document`` and ``evidence`` but has no
-    ``evidence_span`` yet gets one; evidence that cannot be found raises ``ValueError``.
-    """
-    out = []
-    for item in items:
-        question = item if isinstance(item, Question) else Question(question=str(item))
-        if documents is not None and question.evidence and question.evidence_span is None:
-            try:
-                question = _parse({k: v for k, v in asdict(question).items() if v}, documents)
-            except ValueError as error:
-                raise ValueError(f"question {question.question!r}: {error}") from error
-        out.append(question)
-    return out
+    """``Question`` objects from strings or questions; with ``documents``, each ``evidence``
+    without an ``evidence_span`` is located (``ValueError`` when it is not found)."""
+    out = [item if isinstance(item, Question) else Question(str(item)) for item in items]
+    if documents is None:
+        return out
+    located = [{k: v for k, v in asdict(q).items() if k in _KEYS} for q in out]
+    return [
+        _parse(fields, documents) if q.evidence and q.evidence_span is None else q
+        for q, fields in zip(out, located, strict=True)
+    ]
 
 
 def _parse(item: object, documents: Mapping[str, str] | None) -> Question:
     """One line of the set; ``ValueError`` says what is wrong with it."""
     if not isinstance(item, dict):
         raise ValueError("each line must be a JSON object")
-    if not isinstance(item.get("question"), str) or not item["question"].strip():
-        raise ValueError('no "question" (a non-empty string)')
     if unknown := sorted(set(item) - _KEYS):
         raise ValueError(f"unknown key(s) {unknown}; allowed: {sorted(_KEYS)}")
-    for key in ("document", "evidence", "reference"):
-        if item.get(key) is not None and not isinstance(item[key], str):
-            raise ValueError(f'"{key}" must be a string')
+    if wrong := [k for k in sorted(_KEYS) if not isinstance(item.get(k) or "", str)]:
+        raise ValueError(f'"{wrong[0]}" must be a string')
+    if not (item.get("question") or "").strip():
+        raise ValueError('no "question" (a non-empty string)')
     document, evidence, span = item.get("document") or None, item.get("evidence") or None, None
     if evidence and not document:
         raise ValueError('"evidence" needs "document" (the file it is copied from)')
@@ -129,29 +126,19 @@ def _parse(item: object, documents: Mapping[str, str] | None) -> Question:
             raise ValueError(f"document {document!r} is not a file in --docs")
         found = find_span(documents[name], evidence) if evidence else None
         if evidence and found is None:
-            raise ValueError(
-                f"the evidence is not in {name} (it must be copied verbatim from the file)"
-            )
+            raise ValueError(f"the evidence is not in {name}: it must be copied verbatim")
         document, span = name, ((name, *found) if found else None)
     reference = item.get("reference") or None
     return Question(item["question"].strip(), document, evidence, reference, span)
 
 
 def find_span(text: str, fragment: str, near: int | None = None) -> tuple[int, int] | None:
-    """Where ``fragment`` occurs in ``text``: ``(start, end)``, or ``None``.
-
-    An exact occurrence wins (the one starting closest to ``near``, when given); otherwise runs of
-    whitespace match loosely, so a passage re-wrapped or with its blank lines collapsed is still
-    found. Empty fragments are never found.
-    """
-    words = fragment.split()
-    if not words:
-        return None
+    """Where ``fragment`` occurs in ``text``, ``(start, end)`` or ``None``: exactly (the one
+    starting closest to ``near``), else with runs of whitespace matched loosely (re-wrapped)."""
     exact = re.finditer(f"(?={re.escape(fragment)})", text)  # every start, overlapping ones too
-    spans = [(m.start(), m.start() + len(fragment)) for m in exact] or [
-        m.span() for m in re.finditer(r"\s+".join(map(re.escape, words)), text)
-    ]
-    if not spans:
+    loose = re.finditer(r"\s+".join(map(re.escape, fragment.split())), text)
+    spans = [(m.start(), m.start() + len(fragment)) for m in exact] or [m.span() for m in loose]
+    if not spans or not fragment.split():
         return None
     return spans[0] if near is None else min(spans, key=lambda span: abs(span[0] - near))
 
@@ -170,70 +157,42 @@ def merge_spans(spans: Iterable[Span]) -> list[Span]:
 def evidence_scores(
     gold: Span, returned: Sequence[Span], unplaced_chars: int = 0
 ) -> tuple[float, float | None]:
-    """``(recall, precision)`` of the returned text against the gold span.
-
-    ``unplaced_chars`` is returned text that could not be placed in any document (it counts
-    against precision, never for recall). Precision is ``None`` when nothing was returned.
-    """
+    """``(recall, precision)`` of the returned text against the gold span (precision ``None``
+    when nothing was returned); ``unplaced_chars``, placed nowhere, count against precision."""
     gold_doc, gold_start, gold_end = gold
     if gold_end <= gold_start:
         raise ValueError(f"the gold span {gold} is empty")
     union = merge_spans(returned)
-    hit = sum(
-        max(0, min(end, gold_end) - max(start, gold_start))
-        for doc, start, end in union
-        if doc == gold_doc
-    )
+    hit = sum(max(0, min(e, gold_end) - max(s, gold_start)) for d, s, e in union if d == gold_doc)
     total = sum(end - start for _, start, end in union) + max(0, unplaced_chars)
     return hit / (gold_end - gold_start), (hit / total if total else None)
 
 
-class Retrieved(NamedTuple):
-    """The context texts of one response, their spans in the documents, the unplaced rest."""
-
-    texts: list[str]
-    spans: list[Span]
-    unplaced_chars: int
-
-
 def retrieved_contexts(
     source_nodes: Sequence[NodeWithScore], documents: Mapping[str, str] | None = None
-) -> Retrieved:
-    """The texts of ``source_nodes`` (in order) and, with ``documents``, their spans."""
+) -> tuple[list[str], list[Span], int]:
+    """The texts of ``source_nodes`` and, with ``documents``, their spans and unplaced chars."""
     texts = [(n.node, n.node.get_content(metadata_mode=MetadataMode.NONE)) for n in source_nodes]
     kept = [(node, text) for node, text in texts if text.strip()]
-    if documents is None:
-        return Retrieved([text for _, text in kept], [], 0)
-    spans = [place_node(node, text, documents) for node, text in kept]
-    unplaced = sum(len(text) for (_, text), span in zip(kept, spans, strict=True) if span is None)
-    return Retrieved([text for _, text in kept], [s for s in spans if s is not None], unplaced)
+    spans = [place_node(node, text, documents) for node, text in kept] if documents else []
+    unplaced = sum(len(text) for (_, text), span in zip(kept, spans, strict=False) if span is None)
+    return [text for _, text in kept], [s for s in spans if s is not None], unplaced
 
 
 def place_node(node: Any, text: str, documents: Mapping[str, str]) -> Span | None:
     """``(document, start, end)`` of ``node`` in ``documents``, or ``None``."""
     meta = node.metadata or {}
-    for candidate in [*(meta.get(key) for key in DOCUMENT_KEYS), getattr(node, "ref_doc_id", None)]:
-        if not candidate:
-            continue
-        # An absolute path (SimpleDirectoryReader's file_path) ends with the document's key.
-        path = Path(str(candidate)).as_posix()
-        name = resolve_document(str(candidate), documents) or next(
-            (key for key in documents if path.endswith("/" + key)), None
-        )
-        if name is not None:
-            break
-    else:
+    names = [*(meta.get(key) for key in DOCUMENT_KEYS), getattr(node, "ref_doc_id", None)]
+    name = next((n for c in names if c and (n := resolve_document(str(c), documents))), None)
+    if name is None:
         return None
-    doc, hints = documents[name], []
-    if isinstance(meta.get("segment_char_range"), (list, tuple)):
-        hints.append((int(meta["segment_char_range"][0]), int(meta["segment_char_range"][1])))
-    start, end = getattr(node, "start_char_idx", None), getattr(node, "end_char_idx", None)
-    if start is not None and end is not None:
-        hints.append((int(start), int(end)))
+    offsets = (getattr(node, "start_char_idx", None), getattr(node, "end_char_idx", None))
+    ranges: list[Any] = [meta.get("segment_char_range"), offsets]
+    pairs = [r for r in ranges if isinstance(r, (list, tuple)) and len(r) == 2 and None not in r]
+    doc, hints = documents[name], [(int(a), int(b)) for a, b in pairs]
     valid = [(a, b) for a, b in hints if 0 <= a < b <= len(doc)]
     for a, b in valid:
-        # Offsets are trusted when the text there is the node's, whitespace aside (RSE puts
-        # back whitespace a splitter stripped, not necessarily the same characters).
+        # Offsets are trusted when the text there is the node's, whitespace aside (RSE restores it).
         if doc[a:b].split() == text.split():
             return name, a, b
     found = find_span(doc, text, near=hints[0][0] if hints else None)

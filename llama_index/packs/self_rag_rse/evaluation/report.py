@@ -1,91 +1,153 @@
-"""The report: ``records.json``, a Markdown table (engines × metrics, mean ± spread), a chart.
-
-The chart has one panel per metric and cost measure: every question's value as a dot, the mean
-as a bar and one standard deviation either side as a line, so the spread over questions is as
-visible as the mean. It is drawn on a bare ``Figure`` (never through pyplot), so the caller's
-matplotlib backend and open figures are untouched. Without matplotlib (the ``plot`` extra) the
-report says so and the chart is skipped.
-"""
+"""What an evaluation produced (a :class:`Record` per question and engine) and its report:
+``report.md`` (engines × metrics, mean ± sd), ``report.png`` (a panel per measure: mean, ± 1 sd,
+a dot per question; drawn without pyplot) and ``records.json``."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import statistics
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llama_index.packs.self_rag_rse.evaluation.result import (
-    COST_MEASURES,
-    EvaluationResult,
-    MetricSummary,
-)
-
 logger = logging.getLogger(__name__)
 
-#: What each column means, for the report's glossary.
-GLOSSARY = {
-    "faithfulness": "RAGAS: share of the answer's statements supported by the retrieved contexts",
-    "answer_relevancy": (
-        "RAGAS: cosine similarity of a question regenerated from the answer to the real one "
-        "(0 when the answer is non-committal)"
-    ),
-    "context_precision": (
-        "RAGAS: are the contexts useful for the reference answer ranked first (average precision)"
-    ),
-    "context_utilization": (
-        "RAGAS context precision without reference: usefulness judged against the engine's "
-        "own answer"
-    ),
-    "context_recall": "RAGAS: share of the reference answer attributable to the contexts",
-    "li_faithfulness": "LlamaIndex FaithfulnessEvaluator: contexts support the answer (0/1)",
-    "li_relevancy": "LlamaIndex RelevancyEvaluator: answer and contexts match the question (0/1)",
-    "li_answer_relevancy": "LlamaIndex AnswerRelevancyEvaluator: rubric score / 2",
-    "li_context_relevancy": "LlamaIndex ContextRelevancyEvaluator: rubric score / 4",
-    "li_correctness": "LlamaIndex CorrectnessEvaluator vs the reference: (score 1–5 − 1) / 4",
-    "li_semantic_similarity": "LlamaIndex SemanticSimilarityEvaluator: answer/reference cosine",
-    "evidence_recall": "gold evidence characters among the retrieved text / gold characters",
-    "evidence_precision": "gold evidence characters retrieved / characters retrieved",
-    "latency_s": "seconds per query (answering only, queries run one at a time)",
-    "model_calls": (
-        "calls to the answering model per query: LLM requests, plus Self-RAG critic operations "
-        "served in process (one retrieval decision, one batched judgement of all paragraphs, "
-        "one generation each)"
-    ),
-}
+#: Per-question measures that are not judgements, reported beside the metrics.
+COST_MEASURES = ("latency_s", "model_calls")
+
+
+@dataclass
+class Record:
+    """One engine's answer to one question; a metric's score is ``None`` when its judgement
+    failed (``errors`` says why), absent when it does not apply."""
+
+    question: str
+    engine: str
+    answer: str
+    latency_s: float | None
+    model_calls: int | None
+    metrics: dict[str, float | None] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    contexts: list[str] = field(default_factory=list)
+    reference: str | None = None
+    document: str | None = None
+    model_calls_detail: dict[str, int] = field(default_factory=dict)
+    cached: bool = False
+
+
+@dataclass(frozen=True)
+class MetricSummary:
+    """A metric over the questions of one engine: mean and sample standard deviation."""
+
+    mean: float | None
+    std: float | None
+    n: int
+    failed: int
+    values: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, values: list[float | None]) -> MetricSummary:
+        """Summarise scores; ``None`` (and NaN) entries count as failed."""
+        ok = tuple(float(v) for v in values if v is not None and not math.isnan(v))
+        if not ok:
+            return cls(None, None, 0, len(values))
+        std = statistics.stdev(ok) if len(ok) > 1 else 0.0
+        return cls(statistics.fmean(ok), std, len(ok), len(values) - len(ok), ok)
+
+
+@dataclass
+class EvaluationResult:
+    """Every (question, engine) record, and what the report says of the run (caveats first)."""
+
+    records: list[Record]
+    engines: list[str]
+    metrics: list[str]
+    judge: str | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def values(self, engine: str, measure: str) -> list[float | None]:
+        """Per-question values of a metric or cost measure for one engine (``None``: failed)."""
+        rows = [r for r in self.records if r.engine == engine]
+        if measure not in COST_MEASURES:
+            return [r.metrics[measure] for r in rows if measure in r.metrics]
+        return [None if (v := getattr(r, measure)) is None else float(v) for r in rows]
+
+    def summary(self) -> dict[str, dict[str, MetricSummary]]:
+        """``{engine: {measure: MetricSummary}}`` for every metric and cost measure."""
+        measures = [*self.metrics, *COST_MEASURES]
+        return {e: {m: MetricSummary.of(self.values(e, m)) for m in measures} for e in self.engines}
+
+    @property
+    def failures(self) -> list[tuple[str, str, str, str]]:
+        """``(question, engine, metric or "answer", error)`` of every failed item."""
+        return [(r.question, r.engine, m, e) for r in self.records for m, e in r.errors.items()]
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """The records as JSON-ready dicts (``records.json``; failed scores are ``None``)."""
+        return [asdict(r) for r in self.records]
+
+
+BAR_STYLE = {"width": 0.6, "color": "#9ecae1", "edgecolor": "#3182bd", "capsize": 4}
+DOT_STYLE = {"s": 10, "color": "#08519c", "alpha": 0.7, "zorder": 3}
 #: Column titles for the cost measures.
 COST_TITLES = {"latency_s": "latency (s)", "model_calls": "model calls"}
 #: The setup lines of the report, from ``EvaluationResult.settings``.
-SETUP = {
-    "documents": "Documents",
-    "llm": "Answering LLM",
-    "embed_model": "Embedding model",
-    "index": "Index",
-    "engine_options": "Engine options",
-}
+SETUP = {"documents": "Documents", "llm": "Answering LLM", "embed_model": "Embedding model"}
+SETUP.update(index="Index", engine_options="Engine options")
 
 
 def write_report(
     result: EvaluationResult, out_dir: str | Path, *, plot: bool = True
 ) -> dict[str, Path]:
-    """Write ``records.json``, ``report.md`` and (with matplotlib) ``report.png`` into ``out_dir``.
-
-    Returns the paths written, keyed ``records``, ``report`` and ``chart``.
-    """
+    """Write ``records.json``, ``report.md`` (caveats, setup, the table, failures) and, with
+    matplotlib, ``report.png`` into ``out_dir``; returns the paths keyed by what they hold."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"records": out / "records.json"}
     records = json.dumps(result.to_json(), indent=2, ensure_ascii=False)
-    paths["records"].write_text(records + "\n", encoding="utf-8")
+    (out / "records.json").write_text(records + "\n", encoding="utf-8")
     chart = write_chart(result, out / "report.png") if plot else None
+    paths = {"records": out / "records.json", **({"chart": chart} if chart else {})}
+    settings = result.settings
+    parts = ["# Evaluation: Self-RAG and RSE against top-k retrieval", ""]
+    for note in result.notes:
+        parts += [f"> **Caveat.** {note}", ""]
+    parts += ["## Setup", ""]
+    if settings.get("command"):
+        parts += ["Command:", "", "```bash", str(settings["command"]), "```", ""]
+    source = f" (`{settings['questions_file']}`)" if settings.get("questions_file") else ""
+    parts.append(f"- Questions: {len({r.question for r in result.records})}{source}")
+    parts += [f"- {title}: {_text(settings[k])}" for k, title in SETUP.items() if settings.get(k)]
+    judge = settings.get("judge") or {"identity": "none (evidence, latency and model calls only)"}
+    parts.append(f"- Judge: {judge['identity']}")
+    if settings.get("engines"):
+        parts.append("- Engines:")
+        parts += [f"  - `{name}`: {text}" for name, text in settings["engines"].items()]
+    parts += ["", "## Results", "", "Mean ± standard deviation over questions (n = scored).", ""]
+    parts += [markdown_table(result), ""]
     if chart is not None:
-        paths["chart"] = chart
-    paths["report"] = write_markdown(result, out / "report.md", chart=chart)
-    return paths
+        parts += [f"![metrics by engine]({chart.name})", ""]
+    else:
+        parts += ["(No chart: matplotlib is not installed; `pip install matplotlib`.)", ""]
+    if failures := result.failures:
+        parts += ["## Failures", "", f"{len(failures)} item(s) failed; left out of the means."]
+        parts += ["", _row(["engine", "metric", "question", "error"]), _row(["---"] * 4)]
+        for question, engine, metric, error in failures[:20]:
+            parts.append(_row([engine, metric, _cell(question, 60), _cell(error, 120)]))
+        if len(failures) > 20:
+            parts.append(f"\n... and {len(failures) - 20} more in records.json.")
+        parts.append("")
+    parts.append(
+        "Metrics: docs/evaluate.md of llama-index-packs-self-rag-rse. Records: `records.json`."
+    )
+    (out / "report.md").write_text("\n".join([*parts, ""]), encoding="utf-8")
+    return {**paths, "report": out / "report.md"}
 
 
-def format_cell(summary: MetricSummary, *, digits: int = 2) -> str:
+def format_cell(summary: MetricSummary, digits: int = 2) -> str:
     """``mean ± sd`` with the number of values, and failures when there were any."""
     failed = f", {summary.failed} failed" if summary.failed else ""
     if summary.mean is None:
@@ -99,65 +161,9 @@ def markdown_table(result: EvaluationResult) -> str:
     measures = [*result.metrics, *COST_MEASURES]
     rows = [["engine", *(COST_TITLES.get(m, m) for m in measures)], ["---"] * (len(measures) + 1)]
     for engine in result.engines:
-        cells = [
-            format_cell(summary[engine][m], digits=1 if m == "model_calls" else 2) for m in measures
-        ]
-        rows.append([engine, *cells])
+        digits = [1 if m == "model_calls" else 2 for m in measures]
+        rows.append([engine, *map(format_cell, (summary[engine][m] for m in measures), digits)])
     return "\n".join(_row(row) for row in rows)
-
-
-def write_markdown(result: EvaluationResult, path: str | Path, chart: Path | None = None) -> Path:
-    """Write ``report.md``: caveats, setup, the table, failures, the glossary."""
-    settings = result.settings
-    parts = ["# Evaluation: Self-RAG and RSE against top-k retrieval", ""]
-    for note in result.notes:
-        parts += [f"> **Caveat.** {note}", ""]
-    parts += ["## Setup", ""]
-    if settings.get("command"):
-        parts += ["Command:", "", "```bash", str(settings["command"]), "```", ""]
-    source = f" (`{settings['questions_file']}`)" if settings.get("questions_file") else ""
-    parts.append(f"- Questions: {len({r.question for r in result.records})}{source}")
-    parts += [f"- {title}: {_text(settings[k])}" for k, title in SETUP.items() if settings.get(k)]
-    judge = settings.get("judge")
-    if judge:
-        embed = f", embeddings {judge['embed_model']}" if judge.get("embed_model") else ""
-        parts.append(
-            f"- Judge: {judge.get('llm', judge.get('identity'))} through "
-            f"{judge.get('library', judge.get('backend'))}{embed}"
-        )
-    else:
-        parts.append("- Judge: none (evidence, latency and model calls only)")
-    if settings.get("engines"):
-        parts.append("- Engines:")
-        parts += [f"  - `{name}`: {text}" for name, text in settings["engines"].items()]
-    parts += ["", "## Results", "", "Mean ± standard deviation over questions (n = scored).", ""]
-    parts += [markdown_table(result), ""]
-    if chart is not None:
-        parts += [f"![metrics by engine]({chart.name})", ""]
-    else:
-        parts += ["(No chart: matplotlib is not installed; `pip install matplotlib`.)", ""]
-    if failures := result.failures:
-        parts += [
-            "## Failures",
-            "",
-            f"{len(failures)} item(s) failed; they are left out of the means.",
-        ]
-        parts += ["", _row(["engine", "metric", "question", "error"]), _row(["---"] * 4)]
-        for question, engine, metric, error in failures[:20]:
-            parts.append(_row([engine, metric, _cell(question, 60), _cell(error, 120)]))
-        if len(failures) > 20:
-            parts.append(f"\n... and {len(failures) - 20} more in records.json.")
-        parts.append("")
-    parts += ["## Metrics", ""]
-    for measure in [*result.metrics, *COST_MEASURES]:
-        parts.append(f"- `{measure}`: {GLOSSARY.get(measure, 'custom metric')}")
-    parts += [
-        "",
-        "Every per-question record (answer, contexts, scores, errors) is in `records.json`.",
-    ]
-    out = Path(path)
-    out.write_text("\n".join([*parts, ""]), encoding="utf-8")
-    return out
 
 
 def write_chart(result: EvaluationResult, path: str | Path) -> Path | None:
@@ -165,34 +171,21 @@ def write_chart(result: EvaluationResult, path: str | Path) -> Path | None:
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        logger.warning("report.png skipped: matplotlib is not installed (pip install matplotlib)")
+        logger.warning("report.png skipped: pip install matplotlib to draw it")
         return None
-    summary, engines = result.summary(), result.engines
-    measures = [*result.metrics, *COST_MEASURES]
-    columns = min(3, len(measures))
+    summary, engines, measures = result.summary(), result.engines, [*result.metrics, *COST_MEASURES]
+    columns, width = min(3, len(measures)), max(3.2, 0.9 * len(engines) + 1.2)
     rows = math.ceil(len(measures) / columns)
-    width = max(3.2, 0.9 * len(engines) + 1.2)
     fig = Figure(figsize=(width * columns, 3.0 * rows + 0.4), layout="constrained")
     axes = list(fig.subplots(rows, columns, squeeze=False).flat)
     for ax, measure in zip(axes, measures, strict=False):
-        stats = {x: summary[engine][measure] for x, engine in enumerate(engines)}
-        stats = {x: s for x, s in stats.items() if s.mean is not None}
-        ax.bar(
-            list(stats),
-            [s.mean for s in stats.values()],
-            yerr=[s.std for s in stats.values()],
-            width=0.6,
-            color="#9ecae1",
-            edgecolor="#3182bd",
-            capsize=4,
-            error_kw={"linewidth": 1},
-        )
+        stats = {x: s for x, e in enumerate(engines) if (s := summary[e][measure]).mean is not None}
+        means, stds = [s.mean for s in stats.values()], [s.std for s in stats.values()]
+        ax.bar(list(stats), means, yerr=stds, **BAR_STYLE)
         for x, s in stats.items():
             # Deterministic jitter keeps overlapping per-question dots apart.
             jitter = [((k * 0.618) % 1.0 - 0.5) * 0.4 for k in range(s.n)]
-            ax.scatter(
-                [x + j for j in jitter], s.values, s=10, color="#08519c", alpha=0.7, zorder=3
-            )
+            ax.scatter([x + j for j in jitter], s.values, **DOT_STYLE)
         ax.set_xticks(range(len(engines)), engines, rotation=30, ha="right", fontsize=7)
         ax.set_title(COST_TITLES.get(measure, measure), fontsize=9)
         if measure not in COST_TITLES:
@@ -213,9 +206,8 @@ def _row(cells: list[str]) -> str:
 
 
 def _text(value: Any) -> str:
-    if isinstance(value, Mapping):
-        return ", ".join(f"{k}={v}" for k, v in value.items())
-    return str(value)
+    mapping = isinstance(value, Mapping)
+    return ", ".join(f"{k}={v}" for k, v in value.items()) if mapping else str(value)
 
 
 def _cell(text: str, limit: int) -> str:

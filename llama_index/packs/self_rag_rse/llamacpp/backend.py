@@ -16,7 +16,7 @@ All decoding runs on one worker thread per backend, in order (see
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llama_index.core.prompts import BasePromptTemplate
 
@@ -24,7 +24,7 @@ from llama_index.packs.self_rag_rse.llamacpp import compat
 from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
 from llama_index.packs.self_rag_rse.llamacpp.prompt_tokens import PromptTokenizer
 from llama_index.packs.self_rag_rse.llamacpp.sequences import Request, SequenceOutput
-from llama_index.packs.self_rag_rse.llamacpp.worker import DecoderWorker
+from llama_index.packs.self_rag_rse.llamacpp.worker import DecoderWorker, TextStream
 from llama_index.packs.self_rag_rse.self_rag.backend import (
     CriticBackend,
     FirstRound,
@@ -40,12 +40,13 @@ from llama_index.packs.self_rag_rse.self_rag.labels import (
     SUPPORT_SCALE,
     UTILITY_SCALE,
     LabelScale,
-    logsumexp,
 )
-from llama_index.packs.self_rag_rse.self_rag.reflection import sequence_score
+from llama_index.packs.self_rag_rse.self_rag.reflection import logsumexp, sequence_score
 
 if TYPE_CHECKING:
     import llama_cpp
+
+T = TypeVar("T")
 
 
 class LlamaCppBackend(CriticBackend):
@@ -105,13 +106,13 @@ class LlamaCppBackend(CriticBackend):
         self, template: BasePromptTemplate, values: Sequence[Values]
     ) -> list[Generated | Exception]:
         """Greedy answers for every prompt from one multi-sequence decode."""
-        return await self._worker.run(self.generate_blocking, template, values)
+        return await self._decode(self._answers, template, values)
 
     async def score(
         self, scale: LabelScale, template: BasePromptTemplate, values: Sequence[Values]
     ) -> list[Scored | Exception]:
         """Label probabilities of every prompt from one multi-sequence decode (1 new token)."""
-        return await self._worker.run(self.score_blocking, scale, template, values)
+        return await self._decode(self._labels, scale, template, values)
 
     async def generate_and_score(
         self,
@@ -120,14 +121,13 @@ class LlamaCppBackend(CriticBackend):
         label_template: BasePromptTemplate,
         values: Sequence[Values],
     ) -> tuple[list[Generated | Exception], list[Scored | Exception]]:
-        """Answers and labels from one decode, what their prompts share evaluated once."""
-        return await self._worker.run(
-            self.generate_and_score_blocking,
-            answer_template,
-            scale,
-            label_template,
-            values,
-        )
+        """Answers and labels from one decode, what their prompts share evaluated once.
+
+        The two prompts usually agree up to the end of the paragraph (question, then paragraph,
+        then the instruction): that part is evaluated once per paragraph and continued by each
+        instruction. Prompts that agree less share less; nothing else changes.
+        """
+        return await self._decode(self._first_round, answer_template, scale, label_template, values)
 
     async def judge_paragraphs(
         self,
@@ -137,14 +137,21 @@ class LlamaCppBackend(CriticBackend):
         generator: CriticBackend | None = None,
     ) -> list[ParagraphResult]:
         """The four questions of every paragraph, each paragraph evaluated once (see the
-        module); answers written by another ``generator`` take the contract's two rounds."""
+        module); answers written by another ``generator`` take the contract's two rounds.
+
+        One conversation: per group of ``n_seq_max // 2`` paragraphs, the answers with the
+        relevance labels, then the support and utility labels, whose prompts continue the
+        first round's sequences where their tokens agree (the default prompts: everything up
+        to the end of the paragraph). Templates that agree less are evaluated further, as
+        separate decodes would; the results are the same either way.
+        """
         if generator is not None and generator is not self:
             return await super().judge_paragraphs(query, paragraphs, prompts, generator)
-        return await self._worker.run(self.judge_paragraphs_blocking, query, paragraphs, prompts)
+        return await self._decode(self._judge, query, paragraphs, prompts)
 
     async def astream(self, template: BasePromptTemplate, values: Values) -> AsyncIterator[str]:
         """One greedy answer, token by token as llama.cpp writes it."""
-        async for piece in self._worker.stream(self.stream_blocking, template, values):
+        async for piece in self._worker.stream(self._conversing, self._stream, template, values):
             yield piece
 
     def close(self) -> None:
@@ -155,96 +162,79 @@ class LlamaCppBackend(CriticBackend):
         """Backend, prompt format and KV layout."""
         return {**super().describe(), "kv_unified": self.decoder.kv_unified}
 
-    # --- blocking implementations -----------------------------------------------------------------
+    # --- on the worker thread, in one conversation ------------------------------------------------
 
-    def score_blocking(
-        self, scale: LabelScale, template: BasePromptTemplate, values: Sequence[Values]
-    ) -> list[Scored | Exception]:
-        """:meth:`score` in the calling thread."""
-        self._check_open()
-        requests = self._label_requests(scale, template, values)
+    async def _decode(self, func: Callable[..., T], /, *args: Any) -> T:
+        """``func(conversation, *args)`` on the worker thread."""
+        return await self._worker.run(self._conversing, func, *args)
+
+    def _conversing(self, func: Callable[..., T], /, *args: Any) -> T:
+        # llama-cpp-python's tokenize on a closed Llama touches freed memory: check first.
+        self.decoder.check_open()
         with self.decoder.conversation() as conversation:
-            outputs = conversation.run(requests)
-        return [self._scored(out, scale) for out in outputs]
+            return func(conversation, *args)
 
-    def generate_blocking(
-        self, template: BasePromptTemplate, values: Sequence[Values]
+    def _answers(
+        self, conversation: Conversation, template: BasePromptTemplate, values: Sequence[Values]
     ) -> list[Generated | Exception]:
-        """:meth:`generate` in the calling thread."""
-        self._check_open()
-        requests = self._answer_requests(template, values)
-        with self.decoder.conversation() as conversation:
-            outputs = conversation.run(requests)
+        outputs = conversation.run(self._answer_requests(template, values))
         return [self._generated(out) for out in outputs]
 
-    def stream_blocking(
-        self, template: BasePromptTemplate, values: Values, on_text: Callable[[str], None]
+    def _labels(
+        self,
+        conversation: Conversation,
+        scale: LabelScale,
+        template: BasePromptTemplate,
+        values: Sequence[Values],
+    ) -> list[Scored | Exception]:
+        outputs = conversation.run(self._label_requests(scale, template, values))
+        return [self._scored(out, scale) for out in outputs]
+
+    def _stream(
+        self,
+        conversation: Conversation,
+        template: BasePromptTemplate,
+        values: Values,
+        on_text: Callable[[str], None],
     ) -> str:
-        """One answer in the calling thread, ``on_text`` told the text so far after each token."""
-        self._check_open()
         (request,) = self._answer_requests(template, [values])
-        request.on_token = lambda tokens: on_text(self._text(tokens))
-        with self.decoder.conversation() as conversation:
-            (out,) = conversation.run([request])
+        text = TextStream(self.llama, lambda token: not self.decoder.is_eog(token))
+        request.on_token = lambda token: on_text(text.feed(token))
+        (out,) = conversation.run([request])
         result = self._generated(out)
         if isinstance(result, Exception):
             raise result
         return result.text
 
-    def generate_and_score_blocking(
+    def _judge(
         self,
-        answer_template: BasePromptTemplate,
-        scale: LabelScale,
-        label_template: BasePromptTemplate,
-        values: Sequence[Values],
-    ) -> tuple[list[Generated | Exception], list[Scored | Exception]]:
-        """:meth:`generate_and_score` in the calling thread.
-
-        The two prompts usually agree up to the end of the paragraph (question, then paragraph,
-        then the instruction): that part is evaluated once per paragraph and continued by each
-        instruction. Prompts that agree less share less; nothing else changes.
-        """
-        self._check_open()
-        with self.decoder.conversation() as conversation:
-            return self._first_round(conversation, answer_template, scale, label_template, values)
-
-    def judge_paragraphs_blocking(
-        self, query: str, paragraphs: Sequence[str], prompts: JudgementPrompts
+        conversation: Conversation,
+        query: str,
+        paragraphs: Sequence[str],
+        prompts: JudgementPrompts,
     ) -> list[ParagraphResult]:
-        """:meth:`judge_paragraphs` in the calling thread.
-
-        One conversation: per group of ``n_seq_max // 2`` paragraphs, the answers with the
-        relevance labels, then the support and utility labels, whose prompts continue the
-        first round's sequences where their tokens agree (the default prompts: everything up
-        to the end of the paragraph). Templates that agree less are evaluated further, as
-        separate decodes would; the results are the same either way.
-        """
-        self._check_open()
         results: list[ParagraphResult] = []
         width = max(1, self.decoder.n_seq_max // 2)
-        with self.decoder.conversation() as conversation:
-            for start in range(0, len(paragraphs), width):
-                group = paragraphs[start : start + width]
-                values = [prompt_values(query, text) for text in group]
-                answers, relevance = self._first_round(
-                    conversation, prompts.answer, RELEVANCE_SCALE, prompts.relevance, values
-                )
-                first = FirstRound.of(answers, relevance)
-                support = self._label_requests(
-                    SUPPORT_SCALE, prompts.support, first.support_values(query, group)
-                )
-                utility = self._label_requests(
-                    UTILITY_SCALE, prompts.utility, first.utility_values(query)
-                )
-                outputs = conversation.run([*support, *utility])  # nothing to do when empty
-                n = len(first.answered)
-                results += first.record(
-                    [self._scored(out, SUPPORT_SCALE) for out in outputs[:n]],
-                    [self._scored(out, UTILITY_SCALE) for out in outputs[n:]],
-                )
+        for start in range(0, len(paragraphs), width):
+            group = paragraphs[start : start + width]
+            values = [prompt_values(query, text) for text in group]
+            answers, relevance = self._first_round(
+                conversation, prompts.answer, RELEVANCE_SCALE, prompts.relevance, values
+            )
+            first = FirstRound.of(answers, relevance)
+            support = self._label_requests(
+                SUPPORT_SCALE, prompts.support, first.support_values(query, group)
+            )
+            utility = self._label_requests(
+                UTILITY_SCALE, prompts.utility, first.utility_values(query)
+            )
+            outputs = conversation.run([*support, *utility])  # nothing to do when empty
+            n = len(first.answered)
+            results += first.record(
+                [self._scored(out, SUPPORT_SCALE) for out in outputs[:n]],
+                [self._scored(out, UTILITY_SCALE) for out in outputs[n:]],
+            )
         return results
-
-    # --- helpers ----------------------------------------------------------------------------------
 
     def _first_round(
         self,
@@ -274,10 +264,6 @@ class LlamaCppBackend(CriticBackend):
     ) -> list[Request]:
         track = [t for group in self.tokenizer.label_ids(scale) for t in group]
         return [Request(self.tokenizer.fitted(template, dict(v), 1), 1, track) for v in values]
-
-    def _check_open(self) -> None:
-        # llama-cpp-python's tokenize on a closed Llama touches freed memory: check first.
-        self.decoder.check_open()
 
     def _generated(self, out: SequenceOutput) -> Generated | Exception:
         if out.error is not None:

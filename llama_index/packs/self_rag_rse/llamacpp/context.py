@@ -102,7 +102,7 @@ class DecodeStats:
     ``fed_tokens`` of them were evaluated again to continue (the last one of a sequence never
     is). ``steps`` counts the ``llama_decode`` calls that only continued generations;
     ``decode_seconds`` the time spent inside ``llama_decode``; ``kv_copies`` the sequence
-    copies (whole streams with a split KV cache).
+    copies (whole streams with a split KV cache); ``contexts`` the llama.cpp contexts created.
     """
 
     decode_calls: int = 0
@@ -113,15 +113,12 @@ class DecodeStats:
     fed_tokens: int = 0
     steps: int = 0
     kv_copies: int = 0
+    contexts: int = 0
 
     def reset(self) -> None:
         """Zero every counter."""
         for name, value in asdict(DecodeStats()).items():
             setattr(self, name, value)
-
-    def as_dict(self) -> dict[str, Any]:
-        """The counters as a plain dict (for traces and benchmarks)."""
-        return asdict(self)
 
 
 class NativeContext:
@@ -141,7 +138,6 @@ class NativeContext:
         *,
         n_batch: int,
         n_threads: int,
-        n_threads_batch: int,
         kv_unified: bool,
         flash_attn_type: int,
         n_seq_max: int,
@@ -158,7 +154,6 @@ class NativeContext:
         self.n_vocab = int(llm.n_vocab())
         self.n_batch = n_batch
         self.n_threads = n_threads
-        self.n_threads_batch = n_threads_batch
         self.kv_unified = kv_unified
         self.flash_attn_type = flash_attn_type
         self.n_seq_max = n_seq_max
@@ -218,6 +213,7 @@ class NativeContext:
         self.n_cells = n_cells
         self.n_streams = streams
         self.epoch += 1
+        self.stats.contexts += 1
         self._batch = self.lib.llama_batch_init(self.n_batch, 0, 1)
         logger.debug(
             "created llama.cpp context: %d cells%s, %d sequences, %s KV cache",
@@ -284,7 +280,7 @@ class NativeContext:
         params.n_ubatch = self.n_batch
         params.n_seq_max = streams
         params.n_threads = self.n_threads
-        params.n_threads_batch = self.n_threads_batch
+        params.n_threads_batch = self.n_threads
         params.flash_attn_type = self.flash_attn_type
         params.embeddings = False
         params.no_perf = True

@@ -45,7 +45,6 @@ from llama_index.packs.self_rag_rse.llamacpp.sequences import (
     Request,
     SequenceOutput,
     Slot,
-    StopIf,
     failed,
     greedy_step,
     output,
@@ -79,16 +78,15 @@ class ConversationSettings:
 
 @dataclass
 class _Prompt:
-    """A request, checked and converted."""
+    """A request with its tokens and tracked ids checked and converted."""
 
+    request: Request
     tokens: list[int]
-    max_new: int
     track: NDArray[np.intp]
-    stops: frozenset[int]
-    keep: bool
-    truncated: int
-    on_token: Callable[[list[int]], None] | None = None
-    stop_if: StopIf | None = None
+
+    @property
+    def max_new(self) -> int:
+        return self.request.max_new_tokens
 
 
 class Conversation:
@@ -98,11 +96,18 @@ class Conversation:
     Use it inside its ``with`` block only; the decoder is held meanwhile.
     """
 
-    def __init__(self, native: NativeContext, settings: ConversationSettings) -> None:
+    def __init__(
+        self,
+        native: NativeContext,
+        settings: ConversationSettings,
+        carried: tuple[dict[int, Held], int] | None = None,
+    ) -> None:
         self._settings = settings
         self._native = native
-        self._held: dict[int, Held] = {}  # sequence id -> what it holds, oldest first
-        self._epoch = -1
+        # Sequence id -> what it holds, oldest first; valid while the native context's epoch
+        # is ``_epoch`` (a carried-over cache that was emptied since is forgotten by _sync).
+        self._held: dict[int, Held] = dict(carried[0]) if carried else {}
+        self._epoch = carried[1] if carried else -1
         self._width = settings.n_seq_max  # prompts per group; halved when no context fits
         self._closed = False
 
@@ -111,6 +116,11 @@ class Conversation:
         """Tokens of every sequence the KV cache holds for this conversation, by sequence id."""
         self._sync()
         return {seq: list(h.tokens) for seq, h in self._held.items()}
+
+    def carried(self) -> tuple[dict[int, Held], int]:
+        """What the KV cache holds for a later conversation to continue (see
+        :meth:`~llama_index.packs.self_rag_rse.llamacpp.decoder.BatchedDecoder.conversation`)."""
+        return dict(self._held), self._epoch
 
     def run(self, requests: Sequence[Request]) -> list[SequenceOutput]:
         """Decode every request; outputs come back in request order.
@@ -160,7 +170,8 @@ class Conversation:
                     )
                 else:
                     for r in remaining:
-                        outputs[r] = failed(str(exc), len(prompts[r].track), prompts[r].truncated)
+                        p = prompts[r]
+                        outputs[r] = failed(str(exc), len(p.track), p.request.truncated)
                         logger.warning("sequence %d failed: %s", r, exc)
         if failure is not None and self._width < first_width:
             # Reported once: later calls skip the size that failed for a while (see
@@ -195,16 +206,7 @@ class Conversation:
                 f"prompt ({len(tokens)} tokens) + max_new_tokens ({request.max_new_tokens}) "
                 f"exceed n_ctx={n_ctx}: shorten the prompt or raise n_ctx"
             )
-        return _Prompt(
-            tokens,
-            request.max_new_tokens,
-            track_array(request.track_ids, self._native.n_vocab),
-            frozenset(int(t) for t in request.stop_ids),
-            request.keep,
-            request.truncated,
-            request.on_token,
-            request.stop_if,
-        )
+        return _Prompt(request, tokens, track_array(request.track_ids, self._native.n_vocab))
 
     def _sync(self) -> None:
         """Forget what the cache held if someone else emptied or used it since."""
@@ -306,13 +308,8 @@ class Conversation:
                 group_plan.seq_of[i],
                 [],
                 len(prompts[r].tokens),
-                prompts[r].max_new,
+                prompts[r].request,
                 prompts[r].track,
-                prompts[r].stops,
-                truncated=prompts[r].truncated,
-                keep=prompts[r].keep,
-                on_token=prompts[r].on_token,
-                stop_if=prompts[r].stop_if,
             )
             for i, r in enumerate(group)
         ]
@@ -325,7 +322,7 @@ class Conversation:
                 runs: list[Slot] = []
                 for edge, _ in level:
                     if edge.request is None:  # shared by several prompts: evaluate only
-                        runs.append(Slot(-1, edge.seq, list(edge.tokens), edge.start, 0))
+                        runs.append(Slot(-1, edge.seq, list(edge.tokens), edge.start))
                     else:
                         slot = slots[edge.request]
                         slot.feed, slot.pos = list(edge.tokens), edge.start
@@ -342,7 +339,7 @@ class Conversation:
             p = prompts[slot.index]
             self._held.pop(slot.seq_id, None)
             self._held[slot.seq_id] = Held(
-                [*p.tokens, *slot.tokens[: slot.fed]], slot.logits, p.keep
+                [*p.tokens, *slot.tokens[: slot.fed]], slot.logits, p.request.keep
             )
 
     def _start(self, group_plan: Plan, slots: list[Slot]) -> None:
@@ -445,7 +442,7 @@ class Conversation:
                 break
             occupant = next((s for s in group if s.seq_id == gap and s is not slot), None)
             held = self._held.get(gap)
-            if (occupant is not None and occupant.keep) or (held is not None and held.keep):
+            if (occupant is not None and occupant.request.keep) or (held is not None and held.keep):
                 break
             if occupant is not None:
                 occupant.seq_id = -1

@@ -5,18 +5,13 @@ sorting the whole vocabulary and detokenizing every entry, behind ``logits_all=T
 talks to llama.cpp's low-level API instead, on a second context over the weights an existing
 ``Llama`` already holds:
 
-* prompts are laid out as a prefix tree (:mod:`.plan`): a part several prompts share (the
-  instruction, a paragraph asked several questions) is evaluated **once** and handed to each of
-  them with ``llama_memory_seq_cp`` (a unified KV cache just tags its cells with more sequence
-  ids; a split cache copies them into each sequence's stream);
-* a :class:`~.conversation.Conversation` keeps its sequences in the KV cache between calls, so a
-  second round of prompts that begins with what the first one read (the support question after
-  the answer) evaluates only what is new;
+* what several prompts share is evaluated **once** (:mod:`.plan`) and a
+  :class:`~.conversation.Conversation` keeps sequences in the KV cache between calls, so a
+  second round of prompts evaluates only what is new;
 * the prompts' remaining parts, and then one new token per live sequence, go through
   ``llama_decode`` together, so k sequences cost roughly one pass over the weights per step;
-* at every generated position the raw logits of that sequence are turned into an exact
-  full-vocabulary log-softmax in numpy, from which the log-probs of a few *tracked* token ids are
-  read (reflection tokens, Yes/No labels...). Nothing is sorted, nothing is detokenized.
+* at every generated position the raw logits are turned into an exact full-vocabulary
+  log-softmax in numpy, from which the log-probs of a few *tracked* token ids are read.
 
 "Exact" means exactly the softmax of the logits llama.cpp computed. Those logits depend a little
 on how tokens were batched when the weights are quantized: on SmolLM2-135M Q4_1, llama.cpp's own
@@ -36,21 +31,17 @@ import logging
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-import numpy as np
-from numpy.typing import NDArray
-
 from llama_index.packs.self_rag_rse.llamacpp import compat
 from llama_index.packs.self_rag_rse.llamacpp.context import (
-    ContextCreationError,
-    DecodeError,
     DecodeStats,
     NativeContext,
 )
 from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation, ConversationSettings
+from llama_index.packs.self_rag_rse.llamacpp.plan import Held
 from llama_index.packs.self_rag_rse.llamacpp.sequences import (
     Request,
     SequenceOutput,
@@ -61,16 +52,6 @@ from llama_index.packs.self_rag_rse.llamacpp.sequences import (
 if TYPE_CHECKING:
     import llama_cpp
 
-__all__ = [
-    "BatchedDecoder",
-    "ContextCreationError",
-    "Conversation",
-    "DecodeError",
-    "DecodeStats",
-    "PromptSession",
-    "Request",
-    "SequenceOutput",
-]
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +74,6 @@ class BatchedDecoder:
             decoder's work is batches of several sequences. On a machine shared with other busy
             processes (an embedding model in the same process included), fewer threads than
             cores are steadier: llama.cpp's threads wait for each other by spinning.
-        n_threads_batch: threads for batches of more than one token; defaults to ``n_threads``
-            when that is given, else as ``n_threads``.
         kv_unified: KV-cache layout. ``True``: one buffer for all sequences; a shared prefix is
             handed on without a copy and memory follows the tokens held, but without flash
             attention every token also attends to (then masks out) the other sequences' cells.
@@ -115,9 +94,9 @@ class BatchedDecoder:
     The KV cache is sized lazily to what a call needs, kept between calls and recreated only
     when a call needs more. When llama.cpp cannot create a context that large (not enough
     memory), a call decodes fewer sequences at a time, down to one, and raises
-    :class:`ContextCreationError` only if even that fails; for a minute after such a failure
-    (``context.RETRY_FAILED_SIZE_AFTER_S``) no context that large is tried again, so later
-    calls narrow at once and keep the context they have. :attr:`stats` counts the work done.
+    :class:`~.context.ContextCreationError` only if even that fails; for a minute after such a
+    failure (``context.RETRY_FAILED_SIZE_AFTER_S``) no context that large is tried again, so
+    later calls narrow at once and keep the context they have. :attr:`stats` counts the work done.
 
     Calls are serialised by a lock, so one decoder may be shared by threads; :meth:`close` and
     ``Llama.close()`` wait for the running call. Once the ``Llama``'s model is closed every call
@@ -132,7 +111,6 @@ class BatchedDecoder:
         n_ctx: int | None = None,
         n_batch: int = 512,
         n_threads: int | None = None,
-        n_threads_batch: int | None = None,
         kv_unified: bool | None = None,
         flash_attn: bool | None = None,
         share_prefixes: bool = True,
@@ -150,10 +128,8 @@ class BatchedDecoder:
         self.n_batch = n_batch
         self.share_prefixes = share_prefixes
         base = compat.context_params(llm)
-        threads_batch = int(n_threads_batch or n_threads or base.n_threads_batch)
-        #: Threads of one-token decodes and of batches (see the ``n_threads`` argument).
-        self.n_threads: int = int(n_threads or threads_batch)
-        self.n_threads_batch: int = threads_batch
+        #: Threads of every decode (see the ``n_threads`` argument).
+        self.n_threads: int = int(n_threads or base.n_threads_batch)
         flash_attn_type = {
             None: base.flash_attn_type,
             True: lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -171,7 +147,6 @@ class BatchedDecoder:
             llm,
             n_batch=n_batch,
             n_threads=self.n_threads,
-            n_threads_batch=self.n_threads_batch,
             kv_unified=kv_unified,
             flash_attn_type=flash_attn_type,
             n_seq_max=n_seq_max,
@@ -184,10 +159,12 @@ class BatchedDecoder:
             share_prefixes=share_prefixes,
             check_open=self.check_open,
         )
-        # Re-entrant so code inside a ``session`` or ``conversation`` block may also call
+        # Re-entrant so code inside a ``conversation`` block may also call
         # ``generate`` (which empties the KV cache; the block's next call notices and re-reads).
         # Every use of the native context or batch, and freeing them, happens under this lock.
         self._lock = threading.RLock()
+        #: What the last ``carry_over`` conversation left in the KV cache (see ``conversation``).
+        self._carried: tuple[dict[int, Held], int] | None = None
         # Free our context before llama-cpp-python frees the model it points to (its exit
         # stacks run callbacks last-in first-out). The callback holds the context and the lock,
         # never this decoder or the Llama: see _free_before_model.
@@ -201,6 +178,12 @@ class BatchedDecoder:
         return self._native.stats
 
     @property
+    def kv_cells(self) -> int:
+        """KV cells of the llama.cpp context held now (per sequence stream when the cache is
+        split); 0 when there is none (before the first call, or once freed)."""
+        return self._native.n_cells
+
+    @property
     def closed_model(self) -> bool:
         """Whether the ``Llama`` this decoder runs on has closed (or is closing) its model."""
         return self._native.closing or compat.is_closed(self._llm)
@@ -208,7 +191,7 @@ class BatchedDecoder:
     def check_open(self) -> None:
         """Raise :class:`~.compat.ModelClosedError` if the ``Llama``'s model was closed.
 
-        Every public method of the decoder and of its sessions checks this first. Code that
+        Every public method of the decoder and of its conversations checks this first. Code that
         calls the ``Llama`` itself (``tokenize``, ``detokenize``, ``token_eos``...) should call
         it before: llama-cpp-python reads the freed model there and crashes the process.
         """
@@ -233,7 +216,7 @@ class BatchedDecoder:
         return self._native.is_eog(token)
 
     @contextmanager
-    def conversation(self) -> Iterator[Conversation]:
+    def conversation(self, carry_over: bool = False) -> Iterator[Conversation]:
         """Hold the decoder for several calls whose KV cache carries over.
 
         ``conversation.run(requests)`` decodes :class:`~.sequences.Request` objects (full prompts);
@@ -244,122 +227,83 @@ class BatchedDecoder:
                 answers = conv.run([Request(p, max_new_tokens=64) for p in answer_prompts])
                 labels = conv.run([Request(p, 1, label_ids) for p in support_prompts])
 
+        With ``carry_over=True`` the conversation starts with the sequences the last
+        ``carry_over`` conversation left in the KV cache, when no other call used the cache
+        since (a long-form query's next depth continues the contexts its last depth read);
+        otherwise the cache starts empty. Results are the same either way, only the time
+        differs.
+
         Other calls, :meth:`close` and ``Llama.close()`` from other threads wait meanwhile
         (``Llama.close()`` makes the next call raise :class:`~.compat.ModelClosedError`).
         """
         self.check_open()
         with self._lock:
             self.check_open()  # again: the model may have been closed while we waited
-            conversation = Conversation(self._native, self._settings)
+            carried = self._carried if carry_over else None
+            conversation = Conversation(self._native, self._settings, carried)
+            self._carried = None
             try:
                 yield conversation
             finally:
                 conversation._closed = True
+                if carry_over:
+                    self._carried = conversation.carried()
 
     def generate(
         self,
         prefix: Sequence[int],
         suffixes: Sequence[Sequence[int]],
         *,
-        max_new_tokens: int | Sequence[int],
+        max_new_tokens: int,
         track_ids: Sequence[int] = (),
         suffix_tail: Sequence[int] = (),
         stop_ids: Sequence[int] = (),
-        tails: Sequence[Sequence[int]] = ((),),
     ) -> list[SequenceOutput]:
-        """Greedily continue ``prefix + suffixes[i] + suffix_tail + tails[j]`` for every ``i, j``.
+        """Greedily continue ``prefix + suffixes[i] + suffix_tail`` for every ``i``.
 
         The prefix is evaluated once and shared by all sequences; ``suffix_tail`` (e.g. a closing
         ``</paragraph>``) is appended to every suffix and is never truncated, whereas a suffix
-        too long for ``n_ctx`` loses its last tokens. With several ``tails`` (questions asked of
-        one paragraph) each suffix is evaluated once and continued by one sequence per tail.
-        Each sequence stops at its own end-of-generation token, at a token in ``stop_ids``, or
-        after ``max_new_tokens`` (one number, or one per tail). ``track_ids`` selects the
-        columns of ``tracked_logprobs``. Results come back suffix-major: the output of suffix
-        ``i`` and tail ``j`` is at ``i * len(tails) + j``; a sequence whose decoding fails
-        carries ``error`` and does not affect the others. The KV cache starts empty.
+        too long for ``n_ctx`` loses its last tokens. Each sequence stops at its own
+        end-of-generation token, at a token in ``stop_ids``, or after ``max_new_tokens``.
+        ``track_ids`` selects the columns of ``tracked_logprobs``. Results come back in suffix
+        order; a sequence whose decoding fails carries ``error`` and does not affect the others.
+        The KV cache starts empty.
 
-        Raises :class:`ContextCreationError` when no llama.cpp context fits even one suffix, and
-        :class:`~.compat.ModelClosedError` when the model is (or gets, from another thread,
-        mid-call) closed.
+        Raises :class:`~.context.ContextCreationError` when no llama.cpp context fits even one
+        suffix, and :class:`~.compat.ModelClosedError` when the model is (or gets, from another
+        thread, mid-call) closed.
         """
         self.check_open()
         prefix = [int(t) for t in prefix]
         if not prefix:
             raise ValueError("prefix must hold at least one token (usually BOS)")
-        tail_feeds = [[int(t) for t in tail] for tail in tails]
-        n_tails = len(tail_feeds)
-        if not 1 <= n_tails <= self.n_seq_max:
-            raise ValueError(
-                f"tails must hold 1 to n_seq_max={self.n_seq_max} tails, got {n_tails}"
-            )
-        max_new = (
-            [max_new_tokens] * n_tails if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        )
-        if len(max_new) != n_tails or min(max_new) < 0:
-            raise ValueError(
-                f"max_new_tokens must be >= 0, one number or one per tail, got {max_new_tokens}"
-            )
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         track_array(track_ids, self.n_vocab)  # fail before any work on a bad id
         tail = [int(t) for t in suffix_tail]
-        reserve = max(len(t) + n for t, n in zip(tail_feeds, max_new, strict=True))
-        feeds, truncated = fit_suffixes(self.n_ctx, len(prefix), suffixes, tail, reserve)
+        feeds, truncated = fit_suffixes(self.n_ctx, len(prefix), suffixes, tail, max_new_tokens)
         if any(truncated):
             message = (
                 f"{sum(1 for c in truncated if c)} of {len(truncated)} sequence(s) truncated to "
-                f"fit n_ctx={self.n_ctx} (prefix {len(prefix)} tokens, {reserve} after the "
-                f"suffix): dropped {truncated} tokens from the end of each suffix"
+                f"fit n_ctx={self.n_ctx} (prefix {len(prefix)} tokens, {max_new_tokens} new "
+                f"tokens): dropped {truncated} tokens from the end of each suffix"
             )
             logger.warning(message)
             warnings.warn(message, stacklevel=2)
         requests = [
-            Request(
-                [*prefix, *feed, *tail_feed],
-                n,
-                track_ids,
-                stop_ids,
-                truncated=cut,
-            )
+            Request([*prefix, *feed], max_new_tokens, track_ids, stop_ids, truncated=cut)
             for feed, cut in zip(feeds, truncated, strict=True)
-            for tail_feed, n in zip(tail_feeds, max_new, strict=True)
         ]
         if not requests:
             return []
         with self.conversation() as conversation:
             return conversation.run(requests)
 
-    @contextmanager
-    def session(self, prompt: Sequence[int]) -> Iterator[PromptSession]:
-        """Hold the decoder for one prompt: read first-position log-probs, then maybe continue.
-
-        Inside the ``with`` block the prompt stays in the KV cache, so
-        ``session.logprobs(ids)`` followed by ``session.generate(..., forced=[tok])`` evaluates
-        the prompt once (the Self-RAG gate reads p([Retrieval]) and, when it does not retrieve,
-        answers after ``[No Retrieval]`` from the same cache). Other calls, :meth:`close` and
-        ``Llama.close()`` from other threads wait meanwhile (``Llama.close()`` makes the
-        session's next call raise :class:`~.compat.ModelClosedError` so the block ends soon).
-        """
-        self.check_open()
-        tokens = [int(t) for t in prompt]
-        if not tokens:
-            raise ValueError("prompt must hold at least one token (usually BOS)")
-        if len(tokens) >= self.n_ctx:
-            raise ValueError(
-                f"prompt has {len(tokens)} tokens but n_ctx is {self.n_ctx}: "
-                "shorten it or raise n_ctx"
-            )
-        with self.conversation() as conversation:
-            session = PromptSession(conversation, tokens)
-            try:
-                yield session
-            finally:
-                session._closed = True
-
     def close(self) -> None:
         """Free the native context and batch, once the call running in another thread ends.
 
         The decoder stays usable: its next call creates them again (unless the ``Llama``'s model
-        was closed; then it raises :class:`~.compat.ModelClosedError`). Inside a ``session`` or
+        was closed; then it raises :class:`~.compat.ModelClosedError`). Inside a
         ``conversation`` block of the same thread, it frees them at once (the lock is
         re-entrant) and the block's next call recreates the context and re-reads what it needs.
         Do not call it from a thread that a running call waits on: it would wait forever.
@@ -412,48 +356,3 @@ def _free_before_model(native: NativeContext, lock: threading.RLock) -> None:
         logger.exception("could not free the batched decoder's llama.cpp context")
     finally:
         lock.release()
-
-
-class PromptSession:
-    """One prompt held in the decoder's KV cache (see :meth:`BatchedDecoder.session`).
-
-    Every call raises :class:`~llama_index.packs.self_rag_rse.llamacpp.compat.ModelClosedError`
-    once the ``Llama`` was closed, also when that happened inside the session's ``with`` block.
-    """
-
-    def __init__(self, conversation: Conversation, prompt: list[int]) -> None:
-        self._conversation = conversation
-        self._prompt = prompt
-        self._closed = False
-
-    def _run(self, request: Request) -> SequenceOutput:
-        if self._closed:
-            raise RuntimeError("the session is closed: use it inside its `with` block only")
-        (out,) = self._conversation.run([request])
-        if out.error is not None:
-            raise DecodeError(out.error)
-        return out
-
-    def logprobs(self, track_ids: Sequence[int]) -> NDArray[np.float64]:
-        """Full-vocabulary log-probs of ``track_ids`` for the token after the prompt."""
-        out = self._run(Request(self._prompt, 1, track_ids, keep=True))
-        return np.asarray(out.tracked_logprobs[0], dtype=np.float64)
-
-    def generate(
-        self,
-        max_new_tokens: int,
-        track_ids: Sequence[int] = (),
-        *,
-        forced: Sequence[int] = (),
-        stop_ids: Sequence[int] = (),
-        on_token: Callable[[list[int]], None] | None = None,
-    ) -> SequenceOutput:
-        """Greedy continuation after the prompt and the ``forced`` tokens (not part of the output).
-
-        Each call starts again from the bare prompt, so a session can try several forced
-        openings; the prompt is evaluated once for all of them (and for :meth:`logprobs`).
-        ``on_token`` gets the tokens generated so far after each step (see
-        :class:`~.sequences.Request`). Raises :class:`~.context.DecodeError` when llama.cpp fails.
-        """
-        tokens = [*self._prompt, *(int(t) for t in forced)]
-        return self._run(Request(tokens, max_new_tokens, track_ids, stop_ids, on_token=on_token))

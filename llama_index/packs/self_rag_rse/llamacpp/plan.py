@@ -88,10 +88,7 @@ class Plan:
 
     def edges(self) -> Iterator[Edge]:
         """Every edge, parents before children."""
-        wave = [s.edge for s in self.starts if s.edge is not None]
-        while wave:
-            yield from wave
-            wave = [child for edge in wave for child in edge.children]
+        return (edge for level in self.waves() for edge, _ in level)
 
     def waves(self) -> Iterator[list[tuple[Edge, Edge | None]]]:
         """Edges with their parent edge (None for a start), one list per tree level: a level

@@ -19,8 +19,10 @@ from llama_index.core.instrumentation import get_dispatcher
 from numpy.typing import NDArray
 
 from llama_index.packs.self_rag_rse.llamacpp import compat
+from llama_index.packs.self_rag_rse.llamacpp.context import DecodeError
+from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
 from llama_index.packs.self_rag_rse.llamacpp.sequences import Request, SequenceOutput
-from llama_index.packs.self_rag_rse.llamacpp.worker import DecoderWorker
+from llama_index.packs.self_rag_rse.llamacpp.worker import DecoderWorker, TextStream
 from llama_index.packs.self_rag_rse.self_rag.contract import (
     BaseCritic,
     Continuation,
@@ -125,19 +127,21 @@ class ReflectionCritic(BaseCritic):
         self.decoder.check_open()
         prompt = self._prompt(query)
         retrieval_id = self.token_ids[RETRIEVAL]
-        with self.decoder.session(prompt) as session:
+        track = self._reflection_ids
+        # One conversation: the answer after [No Retrieval] continues the prompt the gate read.
+        with self.decoder.conversation() as conversation:
             if threshold is None:
-                out = session.generate(
-                    self.max_new_tokens, self._reflection_ids, stop_ids=[retrieval_id]
-                )
+                request = Request(prompt, self.max_new_tokens, track, stop_ids=[retrieval_id])
+                out = _decoded(conversation, request)
                 probability = retrieval_probability(out.tracked_logprobs)
                 retrieve = retrieval_id in out.tokens
             else:
-                probability = retrieval_probability(session.logprobs(self._reflection_ids))
+                out = _decoded(conversation, Request(prompt, 1, track, keep=True))
+                probability = retrieval_probability(out.tracked_logprobs)
                 retrieve = probability > threshold
             answer = None
             if not retrieve and answer_if_skipped:
-                out = session.generate(self.max_new_tokens, forced=[self.token_ids[NO_RETRIEVAL]])
+                out = _decoded(conversation, self._answer_request(prompt))
                 answer = self._answer_text(out.tokens)
         logger.debug(
             "retrieval gate: p=%.4f threshold=%s retrieve=%s", probability, threshold, retrieve
@@ -167,11 +171,7 @@ class ReflectionCritic(BaseCritic):
         judgements = []
         for out in outputs:
             if out.error is not None:
-                judgements.append(
-                    ParagraphJudgement(
-                        answer="", relevance=0.0, support=0.0, utility=0.0, error=out.error
-                    )
-                )
+                judgements.append(ParagraphJudgement("", 0.0, 0.0, 0.0, error=out.error))
                 continue
             scores = score_generation(
                 out.tracked_logprobs, out.tokens, out.token_logprobs, self._reflection_ids
@@ -191,12 +191,17 @@ class ReflectionCritic(BaseCritic):
         """Answer with no evidence: greedy continuation after ``[No Retrieval]`` (``on_text``
         gets the answer so far after every token)."""
         self.decoder.check_open()
-        on_token = None if on_text is None else (lambda t: on_text(self._answer_text(t)))
-        with self.decoder.session(self._prompt(query)) as session:
-            out = session.generate(
-                self.max_new_tokens, forced=[self.token_ids[NO_RETRIEVAL]], on_token=on_token
-            )
+        request = self._answer_request(self._prompt(query))
+        if on_text is not None:
+            text = TextStream(self.llm, self._answer_filter())
+            request.on_token = lambda token: on_text(text.feed(token))
+        with self.decoder.conversation() as conversation:
+            out = _decoded(conversation, request)
         return self._answer_text(out.tokens)
+
+    def _answer_request(self, prompt: list[int]) -> Request:
+        """The answer with no evidence: greedy continuation after ``[No Retrieval]``."""
+        return Request([*prompt, self.token_ids[NO_RETRIEVAL]], self.max_new_tokens)
 
     @dispatcher.span
     async def adecide_retrieval(
@@ -276,12 +281,17 @@ class ReflectionCritic(BaseCritic):
                 )
             )
         todo = [r for r in requests if r is not None]
-        with self.decoder.conversation() as conversation:
-            outputs = iter(conversation.run(todo) if todo else [])
+        outputs = iter(self._run_segments(todo) if todo else [])
         return [
             self._continuation(context, next(outputs) if request is not None else None)
             for (context, _), request in zip(branches, requests, strict=True)
         ]
+
+    def _run_segments(self, requests: list[Request]) -> list[SequenceOutput]:
+        """Decode one depth's continuations side by side. The KV cache carries over from the
+        last depth: a path's context was read there, as the start of its prompts."""
+        with self.decoder.conversation(carry_over=True) as conversation:
+            return conversation.run(requests)
 
     def _continuation(self, context: tuple[int, ...], out: SequenceOutput | None) -> Continuation:
         """The segment ``out`` generated after ``context`` and a passage, scored."""
@@ -311,6 +321,8 @@ class ReflectionCritic(BaseCritic):
             scores.support,
             scores.utility,
             scores.seq_score,
+            # The passage's tokens left out to fit n_ctx, shown in the segment's row.
+            details={"passage_cut": out.truncated} if out.truncated else {},
             tokens=tokens,
             context=(*context, *tokens),
             stop=stop,
@@ -343,20 +355,33 @@ class ReflectionCritic(BaseCritic):
 
     def _answer_text(self, tokens: Sequence[int]) -> str:
         """Detokenize an answer without reflection tokens, end markers or generated evidence."""
-        kept: list[int] = []
-        in_paragraph = False
-        for token in tokens:
-            if token == self.token_ids[PARAGRAPH_OPEN]:
-                in_paragraph = True  # the model quoting evidence is not part of its answer
-            elif token == self.token_ids[PARAGRAPH_CLOSE]:
-                in_paragraph = False
-            elif (
-                not in_paragraph
-                and token not in self._special_ids
-                and not self.decoder.is_eog(token)
-            ):
-                kept.append(token)
+        keep = self._answer_filter()
+        kept = [token for token in tokens if keep(token)]
         return self.llm.detokenize(kept).decode("utf-8", errors="ignore").strip()
+
+    def _answer_filter(self) -> Callable[[int], bool]:
+        """Whether each generated token, asked in order, is part of the answer: no reflection
+        token, no end of generation, nothing between ``<paragraph>`` and ``</paragraph>`` (the
+        model quoting evidence is not part of its answer)."""
+        opening, closing = self.token_ids[PARAGRAPH_OPEN], self.token_ids[PARAGRAPH_CLOSE]
+        quoting = False
+
+        def keep(token: int) -> bool:
+            nonlocal quoting
+            if token in (opening, closing):
+                quoting = token == opening
+                return False
+            return not quoting and token not in self._special_ids and not self.decoder.is_eog(token)
+
+        return keep
+
+
+def _decoded(conversation: Conversation, request: Request) -> SequenceOutput:
+    """The one output of ``request``; raises :class:`~.context.DecodeError` when it failed."""
+    (out,) = conversation.run([request])
+    if out.error is not None:
+        raise DecodeError(out.error)
+    return out
 
 
 def _resolve_token_ids(llm: llama_cpp.Llama) -> dict[str, int]:

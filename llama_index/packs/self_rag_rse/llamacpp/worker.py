@@ -10,13 +10,14 @@ decoder, so the model cannot be closed half-way through it.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from llama_index.packs.self_rag_rse.common.bridge import SerialWorker
+from llama_index.packs.self_rag_rse.common.streams import Stripper, unsent_rest
 from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder
-from llama_index.packs.self_rag_rse.self_rag.steps import unsent_rest
 
 if TYPE_CHECKING:
     import llama_cpp
@@ -46,32 +47,32 @@ class DecoderWorker:
         return await self._worker.run(self._held, func, *args)
 
     async def stream(self, func: Callable[..., str], /, *args: Any) -> AsyncIterator[str]:
-        """Run ``func(*args, on_text)`` on the worker thread; yield its text as it grows.
+        """Run ``func(*args, on_text)`` on the worker thread; yield the text it reports.
 
-        ``func`` decodes, calls ``on_text(text so far)`` after each token (on the worker thread,
-        holding the decoder) and returns the final text; the pieces yielded join to it. A
-        consumer that stops early does not stop the decode (llama.cpp cannot be interrupted
-        mid-step): it finishes in the background.
+        ``func`` decodes, calls ``on_text(piece)`` with each new piece of its answer (on the
+        worker thread, holding the decoder; see :class:`TextStream`) and returns the whole
+        answer; the pieces yielded join to it. A consumer that stops early does not stop the
+        decode (llama.cpp cannot be interrupted mid-step): it finishes in the background.
         """
         loop = asyncio.get_running_loop()
-        texts: asyncio.Queue[str | None] = asyncio.Queue()
+        pieces: asyncio.Queue[str | None] = asyncio.Queue()
 
-        def on_text(text: str) -> None:
-            loop.call_soon_threadsafe(texts.put_nowait, text)
+        def on_text(piece: str) -> None:
+            if piece:
+                loop.call_soon_threadsafe(pieces.put_nowait, piece)
 
         task = asyncio.ensure_future(self.run(func, *args, on_text))
-        task.add_done_callback(lambda _: texts.put_nowait(None))
-        emitted = ""
+        task.add_done_callback(lambda _: pieces.put_nowait(None))
+        sent: list[str] = []
         try:
-            while (text := await texts.get()) is not None:
-                if len(text) > len(emitted) and text.startswith(emitted):
-                    yield text[len(emitted) :]
-                    emitted = text
+            while (piece := await pieces.get()) is not None:
+                sent.append(piece)
+                yield piece
             final = await task
         finally:
             if not task.done():
                 task.add_done_callback(_retrieve_exception)
-        if rest := unsent_rest(emitted, final):
+        if rest := unsent_rest("".join(sent), final):
             yield rest
 
     def _held(self, func: Callable[..., T], *args: Any) -> T:
@@ -82,6 +83,30 @@ class DecoderWorker:
         """Wait for running work, then free the decoder's context (the model stays open)."""
         self._worker.close()
         self.decoder.close()
+
+
+class TextStream:
+    """The text of tokens generated one at a time, in pieces that join to exactly
+    ``llama.detokenize(kept).decode("utf-8", errors="ignore").strip()`` of them all (``kept``:
+    the tokens ``keep`` accepts, asked in order).
+
+    Each token is detokenized once, on its own (llama-cpp-python detokenizes a sequence token
+    by token too), through an incremental UTF-8 decoder that holds back only the bytes of an
+    unfinished character; leading whitespace is dropped and trailing whitespace held until text
+    follows, as the answer is stripped. A step costs one token's bytes, not the answer so far.
+    """
+
+    def __init__(self, llama: llama_cpp.Llama, keep: Callable[[int], bool]) -> None:
+        self._llama = llama
+        self._keep = keep
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="ignore")
+        self._stripper = Stripper()
+
+    def feed(self, token: int) -> str:
+        """The answer's text that ``token`` completes (often "")."""
+        if not self._keep(token):
+            return ""
+        return self._stripper.feed(self._utf8.decode(self._llama.detokenize([token])))
 
 
 def _retrieve_exception(task: asyncio.Future[Any]) -> None:

@@ -10,9 +10,15 @@ knapsack over segments, solved by dynamic programming over positions and budget.
    each, at most ``max_length`` chunks long, never touching each other inside a document, with
    the largest total value that fits the budget.
 2. :func:`fill_budget` (phase 2) spends what is left on the best remaining chunks by value,
-   one at a time: a chunk next to a chosen segment extends it (its overlap is not paid twice),
-   any other becomes a one-chunk segment. A strong isolated hit that fits therefore still comes
-   back, and filling stops only when no remaining chunk fits.
+   one at a time: a chunk next to a chosen segment extends it (its overlap is not paid twice;
+   never beyond ``max_length``), any other becomes a one-chunk segment. A strong isolated hit
+   that fits therefore still comes back, and filling stops only when no remaining chunk fits.
+
+Memory: per budget cell, a float64 state for each of the last ``max_length + 1`` end positions
+(and a few working arrays) and a byte per end position that closes a candidate: at most about
+``(C + 1) * (8 * (max_length + 6) + E)`` bytes, ``E`` the positions of value >= 0 (inside RSE:
+the hits), ``C`` the budget or, when smaller, the cost of every chunk a candidate covers (a budget
+of millions over 30 hits costs what their neighbourhood costs), plus ~100 bytes per position.
 
 Costs are additive: chunk ``i`` costs ``first_costs[i]`` when it begins a segment (its text
 plus the segment's header) and ``step_costs[i]`` when it follows chunk ``i - 1`` (its text
@@ -36,8 +42,6 @@ from llama_index.packs.self_rag_rse.rse.segments import (
     positive_int,
 )
 
-__all__ = ["fill_budget", "find_budgeted_segments", "segment_cost"]
-
 FloatArray = NDArray[np.float64]
 IntArray = NDArray[np.int64]
 
@@ -56,21 +60,17 @@ def find_budgeted_segments(
 ) -> tuple[list[tuple[int, int]], list[float]]:
     """The segments of greatest total value whose costs fit ``budget``.
 
-    - ``values``: chunk values of the meta-document (see :func:`~.values.chunk_value`); a 2-D
-      array (one row per query) counts each chunk at its best row.
-    - ``document_splits``: strictly increasing chunk indices where a document ends.
-    - ``first_costs`` / ``step_costs``: non-negative integer costs per chunk (see the module
-      docstring); a segment ``[s, e)`` costs ``first_costs[s] + sum(step_costs[s + 1 : e])``.
-    - ``budget``: the most the chosen segments may cost together.
-    - ``max_length``: the longest segment, in chunks.
-    - ``minimum_value``: the least a segment must be worth.
+    ``values``: chunk values of the meta-document (:func:`~.values.chunk_value`; a 2-D array,
+    one row per query, counts each chunk at its best row); ``document_splits``: strictly
+    increasing chunk indices where a document ends; ``first_costs`` / ``step_costs``: integer
+    costs >= 0 per chunk (a segment ``[s, e)`` costs ``first_costs[s] + sum(step_costs[s+1:e])``);
+    ``max_length``: the longest segment, in chunks; ``minimum_value``: the least it is worth.
 
     A segment lies inside one document, starts and ends on a chunk of value >= 0 (as dsRAG's),
-    and is worth its values' sum. Chosen segments never touch inside a document (at least one
-    chunk between them), so no two return the same overlap text. Among all such choices that fit
-    the budget the result has the largest total value (float sums, exact up to rounding); ties
-    prefer the cheaper choice. Returns ``(segments, scores)``: ``(start, end)`` pairs (``end``
-    exclusive) in document order, and their values.
+    and is worth its values' sum. Chosen segments never touch inside a document, so no two return
+    the same overlap text. The result has the largest total value of all such choices that fit
+    (float sums, exact up to rounding; ties prefer the cheaper). Returns ``(segments, scores)``:
+    ``(start, end)`` pairs (``end`` exclusive) in document order, and their values.
     """
     row, splits, first, step, budget, max_length = _checked(
         values, document_splits, first_costs, step_costs, budget, max_length, minimum_value
@@ -83,22 +83,13 @@ def find_budgeted_segments(
     starts, ends, worth, costs = starts[keep], ends[keep], worth[keep], costs[keep]
     if starts.shape[0] == 0:
         return [], []
+    # No choice costs more than the chunks the candidates cover, each at its dearer cost: a
+    # budget beyond that changes nothing, so the search's arrays never grow past it.
+    covered = np.cumsum(np.bincount(starts, minlength=n + 1) - np.bincount(ends, minlength=n + 1))
+    budget = min(budget, int(np.maximum(first, step)[covered[:n] > 0].sum()))
     chosen = _knapsack(starts, ends, worth, costs, budget, set(splits) | {0})
     picked = sorted(chosen, key=lambda c: int(starts[c]))
-    return (
-        [(int(starts[c]), int(ends[c])) for c in picked],
-        [float(worth[c]) for c in picked],
-    )
-
-
-def segment_cost(
-    start: int,
-    end: int,
-    first_costs: NDArray[np.integer[Any]],
-    step_costs: NDArray[np.integer[Any]],
-) -> int:
-    """What segment ``[start, end)`` costs: its first chunk's first cost plus the steps."""
-    return int(first_costs[start]) + int(np.sum(step_costs[start + 1 : end], dtype=np.int64))
+    return [(int(starts[c]), int(ends[c])) for c in picked], [float(worth[c]) for c in picked]
 
 
 def fill_budget(
@@ -109,34 +100,32 @@ def fill_budget(
     step_costs: Sequence[int] | NDArray[np.integer[Any]],
     budget: int,
     candidates: Sequence[int],
+    max_length: int,
 ) -> list[tuple[int, int]]:
     """Spend the budget ``segments`` leave on the ``candidates`` (chunk positions), best value
     first (ties: the order given).
 
-    A candidate inside a segment is skipped; one next to a segment joins it (paying its step
-    cost, and joining two segments when it lies between them); any other starts a one-chunk
-    segment. A candidate that does not fit is skipped and the next one tried, so a short chunk
-    further down still fills a small remainder. Returns every segment, old and new, merged and
-    in document order; the total cost never exceeds ``budget``. A candidate skipped for its
-    cost is tried again as soon as a neighbour joins (it would then cost only its step).
+    A candidate next to a segment joins it (paying its step cost; between two, it joins both);
+    any other starts a one-chunk segment. One that does not fit, or would make a segment longer
+    than ``max_length``, is skipped for the next (a short chunk further down still fills a small
+    remainder) and tried again when a neighbour joins. Returns every segment, old and new, merged
+    and in document order; the total cost never exceeds ``budget``.
     """
-    row, splits, first, step, budget, _ = _checked(
-        values, document_splits, first_costs, step_costs, budget, 1, 0.0
+    row, splits, first, step, budget, max_length = _checked(
+        values, document_splits, first_costs, step_costs, budget, max_length, 0.0
     )
     n = row.shape[0]
     walls = np.zeros(n + 1, dtype=bool)  # walls[p]: p begins a document (or is the end)
-    walls[[0, *[s for s in splits if s <= n]]] = True
-    walls[n] = True
+    walls[[0, n, *[s for s in splits if s <= n]]] = True
     taken = np.zeros(n, dtype=bool)
     for start, end in segments:
         taken[start:end] = True
-    spent = _cost_of(taken, walls, first, step)
+    spent = sum(int(first[s]) + int(step[s + 1 : e].sum()) for s, e in _runs(taken, walls))
     if spent > budget:
         raise ValueError(f"the segments given cost {spent}, more than the budget {budget}")
     positions = [int(p) for p in candidates]
-    for p in positions:
-        if not 0 <= p < n:
-            raise ValueError(f"candidate position {p} lies outside the {n} chunks")
+    if any(not 0 <= p < n for p in positions):
+        raise ValueError(f"candidate positions {positions} must lie inside the {n} chunks")
     order = sorted(range(len(positions)), key=lambda i: (-row[positions[i]], i))
     wanted = np.zeros(n, dtype=bool)
     wanted[positions] = True
@@ -153,7 +142,7 @@ def fill_budget(
             if taken[p]:
                 continue
             extra = _extra_cost(p, taken, walls, first, step)
-            if spent + extra > budget:
+            if spent + extra > budget or _joined_length(p, taken, walls) > max_length:
                 skipped.add(p)
                 continue
             taken[p] = True
@@ -345,23 +334,19 @@ def _extra_cost(
     return extra
 
 
-def _cost_of(
-    taken: NDArray[np.bool_], walls: NDArray[np.bool_], first: IntArray, step: IntArray
-) -> int:
-    """Cost of the runs of ``taken`` chunks (a run breaks at a document start)."""
-    n = taken.shape[0]
-    begins = taken & (walls[:n] | ~np.concatenate([[False], taken[:-1]]))
-    return int(first[begins].sum() + step[taken & ~begins].sum())
+def _joined_length(p: int, taken: NDArray[np.bool_], walls: NDArray[np.bool_]) -> int:
+    """Chunks in the segment that taking chunk ``p`` makes (it and the runs it joins)."""
+    left, right = p, p + 1
+    while left > 0 and not walls[left] and taken[left - 1]:
+        left -= 1
+    while right < taken.shape[0] and not walls[right] and taken[right]:
+        right += 1
+    return right - left
 
 
 def _runs(taken: NDArray[np.bool_], walls: NDArray[np.bool_]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    start = None
-    for p in range(taken.shape[0] + 1):
-        inside = p < taken.shape[0] and bool(taken[p])
-        if start is not None and (not inside or walls[p]):
-            runs.append((start, p))
-            start = None
-        if inside and start is None:
-            start = p
-    return runs
+    """The runs of ``taken`` chunks as ``(start, end)``, broken where a document starts."""
+    starts = taken & (walls[:-1] | ~np.concatenate([[False], taken[:-1]]))
+    ends = taken & (walls[1:] | ~np.concatenate([taken[1:], [False]]))
+    begin, end = np.flatnonzero(starts).tolist(), (np.flatnonzero(ends) + 1).tolist()
+    return list(zip(begin, end, strict=True))

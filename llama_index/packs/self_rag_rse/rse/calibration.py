@@ -15,6 +15,9 @@ must mean the same thing from query to query and spread over [0, 1]. Raw scores 
   the query's best score.
 - :func:`calibrate_spread`, the default under a context budget, needs no range at all: one
   query's best hit is 1 and its median hit 0, whatever the embedder's scale.
+  :func:`calibrate_zscore` measures each hit in standard deviations above the query's mean;
+  :func:`calibrate_rank` drops the scores altogether (every hit 0.8: rank decay alone, dsRAG's
+  ``ignore_absolute_relevance``).
 
 Other rerankers: look at a histogram of their scores on your data and pick a Beta whose CDF maps
 it close to uniform. :data:`CALIBRATIONS` names each calibration once; :func:`calibrate` applies a
@@ -29,20 +32,6 @@ from typing import Any, NamedTuple, overload
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
-
-__all__ = [
-    "CALIBRATIONS",
-    "COHERE_RERANK_BETA",
-    "DEFAULT_COSINE_RANGE",
-    "VOYAGE_RERANK_BETA",
-    "BetaParams",
-    "beta_cdf",
-    "calibrate",
-    "calibrate_beta",
-    "calibrate_cosine_adaptive",
-    "calibrate_minmax",
-    "calibrate_spread",
-]
 
 FloatArray = NDArray[np.float64]
 
@@ -123,43 +112,33 @@ def _regularized_beta(x: FloatArray, a: FloatArray, b: FloatArray) -> FloatArray
 
 def _beta_continued_fraction(x: FloatArray, a: FloatArray, b: FloatArray) -> FloatArray:
     """The continued fraction of I_x(a, b) (Numerical Recipes ``betacf``), elementwise."""
-    qab, qap, qam = a + b, a + 1.0, a - 1.0
     c = np.ones_like(x)
-    d = 1.0 - qab * x / qap
-    d = 1.0 / np.where(np.abs(d) < _TINY, _TINY, d)
+    d = 1.0 / _not_zero(1.0 - (a + b) * x / (a + 1.0))
     h = d.copy()
     active = np.ones(x.shape, dtype=bool)
     for m in range(1, _MAX_STEPS + 1):
-        if not active.any():
+        live = np.flatnonzero(active)  # only unconverged elements keep iterating
+        if not live.size:
             break
-        # Only unconverged elements keep iterating: updates are masked, not recomputed.
-        xa, aa_, bb_, qab_, qap_, qam_ = (
-            x[active],
-            a[active],
-            b[active],
-            qab[active],
-            qap[active],
-            qam[active],
-        )
-        ca, da, ha = c[active], d[active], h[active]
+        xa, aa, bb, ca, da, ha = x[live], a[live], b[live], c[live], d[live], h[live]
         m2 = 2.0 * m
-        even = m * (bb_ - m) * xa / ((qam_ + m2) * (aa_ + m2))
-        da = 1.0 + even * da
-        da = 1.0 / np.where(np.abs(da) < _TINY, _TINY, da)
-        ca = 1.0 + even / ca
-        ca = np.where(np.abs(ca) < _TINY, _TINY, ca)
+        even = m * (bb - m) * xa / ((aa - 1.0 + m2) * (aa + m2))
+        odd = -(aa + m) * (aa + bb + m) * xa / ((aa + m2) * (aa + 1.0 + m2))
+        da = 1.0 / _not_zero(1.0 + even * da)
+        ca = _not_zero(1.0 + even / ca)
         ha = ha * da * ca
-        odd = -(aa_ + m) * (qab_ + m) * xa / ((aa_ + m2) * (qap_ + m2))
-        da = 1.0 + odd * da
-        da = 1.0 / np.where(np.abs(da) < _TINY, _TINY, da)
-        ca = 1.0 + odd / ca
-        ca = np.where(np.abs(ca) < _TINY, _TINY, ca)
+        da = 1.0 / _not_zero(1.0 + odd * da)
+        ca = _not_zero(1.0 + odd / ca)
         step = da * ca
         ha = ha * step
-        c[active], d[active], h[active] = ca, da, ha
-        done = np.abs(step - 1.0) <= _EPS
-        active[np.flatnonzero(active)[done]] = False
+        c[live], d[live], h[live] = ca, da, ha
+        active[live[np.abs(step - 1.0) <= _EPS]] = False
     return h
+
+
+def _not_zero(values: FloatArray) -> FloatArray:
+    """``values`` with near-zeros replaced by :data:`_TINY` (Lentz's method divides by them)."""
+    return np.where(np.abs(values) < _TINY, _TINY, values)
 
 
 @overload
@@ -243,8 +222,40 @@ def calibrate_spread(scores: ArrayLike) -> FloatArray:
     return np.clip(np.nan_to_num(scaled, posinf=1.0, neginf=0.0), 0.0, 1.0)
 
 
+def calibrate_zscore(scores: ArrayLike, spread: float = 2.0) -> FloatArray:
+    """Relevance of one query's hits in standard deviations above their mean: the mean hit 0,
+    a hit ``spread`` deviations above it 1, linear between, clipped to [0, 1].
+
+    Like :func:`calibrate_spread` it ignores the embedder's scale and offset; unlike it, one
+    outstanding hit does not push the others down (the best hit need not reach 1, and a query
+    whose hits all score alike gets low relevance everywhere). Equal scores all count 1, as in
+    :func:`calibrate_spread`. Infinite scores map to 0 or 1 and do not move the mean.
+    """
+    values = np.asarray(scores, dtype=np.float64)
+    finite = values[np.isfinite(values)]
+    if not finite.size:
+        return np.where(values > 0, 1.0, 0.0)
+    mean, deviation = float(finite.mean()), float(finite.std())
+    if deviation == 0.0:
+        return np.where(values >= mean, 1.0, 0.0)
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = (values - mean) / (spread * deviation)
+    return np.clip(np.nan_to_num(scaled, posinf=1.0, neginf=0.0), 0.0, 1.0)
+
+
+#: The relevance every hit gets under :func:`calibrate_rank` (dsRAG's
+#: ``ignore_absolute_relevance``).
+RANK_ONLY_RELEVANCE = 0.8
+
+
+def calibrate_rank(scores: ArrayLike) -> FloatArray:
+    """Every hit :data:`RANK_ONLY_RELEVANCE` (0.8), whatever its score: the value then comes
+    from the rank decay alone, as dsRAG's ``ignore_absolute_relevance`` does."""
+    return np.full(np.shape(scores), RANK_ONLY_RELEVANCE, dtype=np.float64)
+
+
 #: Cosine similarities of all-MiniLM/BGE-class embedders mapped linearly onto [0, 1]: unrelated
-#: passages score about 0.1 with these models, clearly relevant ones 0.5 and above (see README).
+#: passages score about 0.1 with these models, clearly relevant ones 0.5 and above (docs/rse.md).
 DEFAULT_COSINE_RANGE = (0.1, 0.5)
 
 #: A calibration by name: maps an array of scores (and the cosine range, which only ``cosine``
@@ -252,43 +263,24 @@ DEFAULT_COSINE_RANGE = (0.1, 0.5)
 Calibrator = Callable[[FloatArray, tuple[float, float]], FloatArray]
 
 
-def _cosine(scores: FloatArray, cosine_range: tuple[float, float]) -> FloatArray:
-    return np.asarray(calibrate_minmax(scores, *cosine_range), dtype=np.float64)
-
-
-def _cosine_adaptive(scores: FloatArray, cosine_range: tuple[float, float]) -> FloatArray:
-    return calibrate_cosine_adaptive(scores, *cosine_range)
-
-
-def _spread(scores: FloatArray, cosine_range: tuple[float, float]) -> FloatArray:
-    return calibrate_spread(scores)
-
-
-def _raw(scores: FloatArray, cosine_range: tuple[float, float]) -> FloatArray:
-    return np.asarray(scores, dtype=np.float64)
-
-
-def _cohere(scores: FloatArray, cosine_range: tuple[float, float]) -> FloatArray:
-    return np.asarray(calibrate_beta(scores, *COHERE_RERANK_BETA), dtype=np.float64)
-
-
-def _voyage(scores: FloatArray, cosine_range: tuple[float, float]) -> FloatArray:
-    return np.asarray(calibrate_beta(scores, *VOYAGE_RERANK_BETA), dtype=np.float64)
-
-
 CALIBRATIONS: dict[str, Calibrator] = {
-    "cosine_adaptive": _cosine_adaptive,
-    "cosine": _cosine,
-    "spread": _spread,
-    "raw": _raw,
-    "cohere": _cohere,
-    "voyage": _voyage,
+    "cosine_adaptive": lambda scores, cosine_range: calibrate_cosine_adaptive(
+        scores, *cosine_range
+    ),
+    "cosine": lambda scores, cosine_range: np.asarray(calibrate_minmax(scores, *cosine_range)),
+    "spread": lambda scores, _: calibrate_spread(scores),
+    "zscore": lambda scores, _: calibrate_zscore(scores),
+    "rank": lambda scores, _: calibrate_rank(scores),
+    "raw": lambda scores, _: np.asarray(scores, dtype=np.float64),
+    "cohere": lambda scores, _: np.asarray(calibrate_beta(scores, *COHERE_RERANK_BETA)),
+    "voyage": lambda scores, _: np.asarray(calibrate_beta(scores, *VOYAGE_RERANK_BETA)),
 }
 """Every calibration by name: ``cosine_adaptive`` (linear over the cosine range, its top raised
 to the query's best hit; the default, for embedding similarity), ``cosine`` (linear over the
 fixed cosine range), ``spread`` (per query: best hit 1, median hit 0; no range to tune per
-embedder), ``raw`` (scores used as they are), ``cohere`` / ``voyage`` (dsRAG's Beta
-CDFs)."""
+embedder), ``zscore`` (per query: the mean hit 0, two standard deviations above it 1),
+``rank`` (every hit 0.8: rank decay alone), ``raw`` (scores used as they are), ``cohere`` /
+``voyage`` (dsRAG's Beta CDFs)."""
 
 
 def check_calibration(method: Any) -> None:

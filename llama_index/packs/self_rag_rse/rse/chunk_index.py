@@ -24,6 +24,7 @@ it is an error that names the fix, never a second chunk 0.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import uuid
@@ -58,12 +59,19 @@ _NEXT, _PREVIOUS = NodeRelationship.NEXT, NodeRelationship.PREVIOUS
 def stable_chunk_id(doc_id: str, index: int) -> str:
     """The node id :class:`ChunkIndexer` gives chunk ``index`` of document ``doc_id`` with
     ``stable_ids=True``: a UUID (version 5) of the two, valid in every vector store."""
-    return str(uuid.uuid5(STABLE_ID_NAMESPACE, f"{doc_id}\n{int(index)}"))
+    return _stable_id(doc_id, int(index))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _stable_id(doc_id: str, index: int) -> str:
+    # Cached: RSE asks for the ids of every gap it reads, call after call, and a UUID costs
+    # a hash.
+    return str(uuid.uuid5(STABLE_ID_NAMESPACE, f"{doc_id}\n{index}"))
 
 
 class ChunkIndexer(TransformComponent):
     """Write each node's 0-based position within its document into ``metadata[key]``, and the
-    version of the document it was cut from into ``metadata[version_key]``.
+    version of the document it was cut from into ``metadata[CHUNK_VERSION_KEY]``.
 
     Put it in an ``IngestionPipeline`` right after the splitter. Nodes are numbered per source
     document (``ref_doc_id``) in ``start_char_idx`` order, or in the order they arrive in (the
@@ -89,7 +97,7 @@ class ChunkIndexer(TransformComponent):
     link to a chunk outside the call is pointed at that chunk's stable id. The postprocessor
     then reads the chunks between hits by id (see the module docstring), and re-ingesting a
     document overwrites its chunks instead of adding copies (delete the old version's tail when
-    the new one is shorter: see the README). Leave it off if something outside the pipeline
+    the new one is shorter: see docs/rse.md). Leave it off if something outside the pipeline
     keeps the splitter's node ids (an ``id_func``, references stored elsewhere).
 
     Example::
@@ -100,10 +108,12 @@ class ChunkIndexer(TransformComponent):
         )
     """
 
-    key: str = Field(default=CHUNK_INDEX_KEY, description="Metadata key to write.")
-    version_key: str = Field(
-        default=CHUNK_VERSION_KEY,
-        description="Metadata key for the version (hash) of the document the chunk was cut from.",
+    key: str = Field(
+        default=CHUNK_INDEX_KEY,
+        description=(
+            "Metadata key to write. RelevantSegmentPostprocessor reads CHUNK_INDEX_KEY (the "
+            "default); another key is for your own use."
+        ),
     )
     stable_ids: bool = Field(
         default=False,
@@ -133,14 +143,14 @@ class ChunkIndexer(TransformComponent):
             indices, whole = self._number(doc_id, ordered)
             fallback = _text_hash(ordered) if whole else None
             for node, index in zip(ordered, indices, strict=True):
-                version = _source_hash(node) or fallback or node.metadata.get(self.version_key)
+                version = _source_hash(node) or fallback or node.metadata.get(CHUNK_VERSION_KEY)
                 self._stamp(node, index, version)
                 numbered[node.node_id] = (doc_id, index)
         for node in nodes:
             original = first.get(node.node_id)
             if original is not None and original is not node and node.node_id in numbered:
                 self._stamp(
-                    node, original.metadata[self.key], original.metadata.get(self.version_key)
+                    node, original.metadata[self.key], original.metadata.get(CHUNK_VERSION_KEY)
                 )
         if self.stable_ids and numbered:
             _rename(nodes, numbered)
@@ -149,9 +159,9 @@ class ChunkIndexer(TransformComponent):
     def _stamp(self, node: BaseNode, index: int, version: Any) -> None:
         node.metadata[self.key] = index
         if version is not None:
-            node.metadata[self.version_key] = version
+            node.metadata[CHUNK_VERSION_KEY] = version
         for excluded in (node.excluded_embed_metadata_keys, node.excluded_llm_metadata_keys):
-            for key in (self.key, self.version_key):
+            for key in (self.key, CHUNK_VERSION_KEY):
                 if key not in excluded:
                     excluded.append(key)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,12 +26,17 @@ from llama_index.core.vector_stores.types import (
 )
 
 from llama_index.packs.self_rag_rse.common.stores import client_lock, in_thread, sync_client
+from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_INDEX_KEY
 
 logger = logging.getLogger(__name__)
 
 #: Most chunks a read by chunk index asks for per index: a store can hold several chunks with
 #: one index (copies from re-ingests without stable ids), which the reader must see to choose.
 MAX_COPIES_READ = 8
+
+#: Vector-store payload key of a node's source document (LlamaIndex writes ``doc_id``,
+#: ``document_id`` and ``ref_doc_id``).
+DOC_ID_KEY = "doc_id"
 
 
 @dataclass
@@ -40,7 +45,7 @@ class ChunkRequest:
 
     - ``"ref_doc_ids"``: ordered node ids of each document in ``doc_ids`` (docstore only);
     - ``"node_ids"``: the nodes with ids ``node_ids``;
-    - ``"chunk_indices"``: the nodes whose ``index_key`` metadata is in ``indices[doc_id]``;
+    - ``"chunk_indices"``: the nodes whose chunk index is in ``indices[doc_id]``;
     - ``"documents"``: every node of each document in ``doc_ids`` (at most ``limit``).
     """
 
@@ -55,17 +60,12 @@ class ChunkRequest:
 class ChunkSource:
     """Reads chunks from a docstore and/or a vector store.
 
-    ``doc_id_key`` is the payload key that holds a node's source document id in the vector store
-    (LlamaIndex writes ``doc_id``, ``document_id`` and ``ref_doc_id``); ``index_key`` is the chunk
-    index metadata key that :class:`~llama_index.packs.self_rag_rse.ChunkIndexer` writes. A store
-    that fails a read is logged and treated as having returned nothing, so callers degrade instead
-    of losing the query; ``calls`` counts reads for benchmarks and tests.
+    A store that fails a read is logged and treated as having returned nothing, so callers
+    degrade instead of losing the query; ``calls`` counts reads for benchmarks and tests.
     """
 
     docstore: BaseDocumentStore | None = None
     vector_store: BasePydanticVectorStore | None = None
-    doc_id_key: str = "doc_id"
-    index_key: str = "chunk_index"
     calls: int = 0
 
     @property
@@ -127,7 +127,7 @@ class ChunkSource:
                 if self.docstore is not None:
                     return await self.docstore.aget_nodes(request.node_ids, raise_error=False)
                 assert self.vector_store is not None
-                direct = adirect_reader(self.vector_store)
+                direct = direct_reader(self.vector_store, asynchronous=True)
                 if direct is not None:
                     return await direct(request.node_ids)
                 return await self.vector_store.aget_nodes(node_ids=request.node_ids)
@@ -151,7 +151,7 @@ class ChunkSource:
                 MetadataFilters(
                     filters=[
                         MetadataFilter(
-                            key=self.doc_id_key, value=request.doc_ids, operator=FilterOperator.IN
+                            key=DOC_ID_KEY, value=request.doc_ids, operator=FilterOperator.IN
                         )
                     ]
                 ),
@@ -161,9 +161,9 @@ class ChunkSource:
             per_document: list[MetadataFilter | MetadataFilters] = [
                 MetadataFilters(
                     filters=[
-                        MetadataFilter(key=self.doc_id_key, value=doc_id),
+                        MetadataFilter(key=DOC_ID_KEY, value=doc_id),
                         MetadataFilter(
-                            key=self.index_key, value=indices, operator=FilterOperator.IN
+                            key=CHUNK_INDEX_KEY, value=indices, operator=FilterOperator.IN
                         ),
                     ],
                     condition=FilterCondition.AND,
@@ -194,47 +194,18 @@ class ChunkSource:
         return {} if request.kind == "ref_doc_ids" else []
 
 
-def direct_reader(store: Any) -> Callable[[list[str]], list[BaseNode]] | None:
-    """A reader of nodes by id that bypasses ``get_nodes`` where that is slow, else ``None``.
+def direct_reader(store: Any, asynchronous: bool = False) -> Callable[[list[str]], Any] | None:
+    """A reader of nodes by id that bypasses ``get_nodes`` where that is slow, else ``None``;
+    ``asynchronous``: a coroutine function, through the store's async client.
 
     ``QdrantVectorStore.get_nodes(node_ids=...)`` is a scroll with an id filter, which Qdrant
     local mode answers by scanning every point in Python (64 ms at 10,000 points, measured);
     the client's ``retrieve`` reads the points directly (0.04 ms). Recognised by the public
-    ``client``, ``collection_name`` and ``parse_to_query_result`` of the Qdrant store.
+    ``client``, ``collection_name`` and ``parse_to_query_result`` of the Qdrant store; its async
+    client is ``_aclient`` (``None`` when the store was built with a sync client only: then its
+    async methods fail, and so does this path's fallback).
     """
-    parts = _qdrant_retrieve(store, getattr(store, "client", None))
-    if parts is None:
-        return None
-    retrieve, parse = parts
-
-    def read(node_ids: list[str]) -> list[BaseNode]:
-        return list(parse(retrieve(ids=node_ids)).nodes)
-
-    return read
-
-
-def adirect_reader(store: Any) -> Callable[[list[str]], Awaitable[list[BaseNode]]] | None:
-    """:func:`direct_reader` for async code, through the Qdrant store's async client.
-
-    ``QdrantVectorStore`` keeps that client in ``_aclient`` (``None`` when the store was built
-    with a sync client only: then its async methods fail, and so does this path's fallback).
-    """
-    parts = _qdrant_retrieve(store, getattr(store, "_aclient", None))
-    if parts is None:
-        return None
-    retrieve, parse = parts
-
-    async def read(node_ids: list[str]) -> list[BaseNode]:
-        return list(parse(await retrieve(ids=node_ids)).nodes)
-
-    return read
-
-
-def _qdrant_retrieve(
-    store: Any, client: Any
-) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
-    """``client.retrieve`` bound to the store's collection (payloads, no vectors), and the
-    store's parser of points, when ``store`` looks like Qdrant's."""
+    client = getattr(store, "_aclient" if asynchronous else "client", None)
     collection = getattr(store, "collection_name", None)
     parse = getattr(store, "parse_to_query_result", None)
     retrieve = getattr(client, "retrieve", None)
@@ -243,7 +214,11 @@ def _qdrant_retrieve(
     bound = functools.partial(
         retrieve, collection_name=collection, with_payload=True, with_vectors=False
     )
-    return bound, parse
+
+    async def aread(node_ids: list[str]) -> list[BaseNode]:
+        return list(parse(await bound(ids=node_ids)).nodes)
+
+    return aread if asynchronous else lambda node_ids: list(parse(bound(ids=node_ids)).nodes)
 
 
 def nodes_by_id(nodes: Sequence[BaseNode]) -> dict[str, BaseNode]:

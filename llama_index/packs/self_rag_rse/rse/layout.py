@@ -18,7 +18,11 @@ from typing import Any
 import numpy as np
 from llama_index.core.schema import BaseNode
 
-from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_VERSION_KEY, stable_chunk_id
+from llama_index.packs.self_rag_rse.rse.chunk_index import (
+    CHUNK_INDEX_KEY,
+    CHUNK_VERSION_KEY,
+    stable_chunk_id,
+)
 from llama_index.packs.self_rag_rse.rse.chunk_sources import ChunkRequest, ChunkSource
 from llama_index.packs.self_rag_rse.rse.node_fields import char_span, chunk_index, node_version
 from llama_index.packs.self_rag_rse.rse.ordering import (
@@ -33,8 +37,6 @@ from llama_index.packs.self_rag_rse.rse.ordering import (
     with_missing_slots,
 )
 from llama_index.packs.self_rag_rse.rse.types import DocumentRegion, Hole, Segment
-
-__all__ = ["DocumentLayout", "lay_out", "missing_positions", "place_read", "read_missing"]
 
 
 @dataclass
@@ -55,9 +57,7 @@ class DocumentLayout:
     - ``suspect``: positions whose offsets the texts contradict (ignored when stitching);
     - ``holes``: every break, missing chunk and conflict found, for the extraction's record;
     - ``conflicts``: hits that claim a position a better-ranked hit holds (two copies of one
-      chunk); they are not placed, and pass through;
-    - ``version_key``: metadata key of the chunks' document version (chunks of two versions
-      are never joined).
+      chunk); they are not placed, and pass through.
     """
 
     doc_id: str
@@ -72,21 +72,15 @@ class DocumentLayout:
     suspect: set[int] = field(default_factory=set)
     holes: list[Hole] = field(default_factory=list)
     conflicts: list[BaseNode] = field(default_factory=list)
-    version_key: str = CHUNK_VERSION_KEY
 
     @classmethod
     def from_slots(
-        cls,
-        doc_id: str,
-        ids: Sequence[str],
-        at_hand: Sequence[BaseNode],
-        order: str,
-        version_key: str = CHUNK_VERSION_KEY,
+        cls, doc_id: str, ids: Sequence[str], at_hand: Sequence[BaseNode], order: str
     ) -> DocumentLayout:
         """Layout from a store's ordered ids, with empty slots where links show a missing chunk."""
         slots, inserted = with_missing_slots(ids, at_hand)
         positions = {node_id: p for p, node_id in enumerate(slots) if node_id is not None}
-        layout = cls(doc_id, positions, order, slots=slots, fetchable=True, version_key=version_key)
+        layout = cls(doc_id, positions, order, slots=slots, fetchable=True)
         layout.holes = [Hole(doc_id, p - 1, p + 1, why) for p, why in inserted]
         return layout
 
@@ -175,7 +169,7 @@ class DocumentLayout:
             run = [p]
             while run[-1] + 1 in self.held and run[-1] < end and self.joinable(run[-1]):
                 run.append(run[-1] + 1)
-            found, suspect = run_breaks([self.held[q] for q in run], self.version_key)
+            found, suspect = run_breaks([self.held[q] for q in run])
             self.suspect.update(q for q, doubt in zip(run, suspect, strict=True) if doubt)
             for i, reason in found.items():
                 self.cut(run[i], reason)
@@ -205,13 +199,13 @@ class DocumentLayout:
         """
         distinct: dict[tuple[Any, ...], BaseNode] = {}
         for node in claimants:
-            key = (node.get_content(), char_span(node), node_version(node, self.version_key))
+            key = (node.get_content(), char_span(node), node_version(node, CHUNK_VERSION_KEY))
             distinct.setdefault(key, node)
         candidates = list(distinct.values())
         if len(candidates) > 1 and self.held:
             nearest = min(self.held, key=lambda q: (abs(q - position), q))
-            wanted = node_version(self.held[nearest], self.version_key)
-            same = [n for n in candidates if node_version(n, self.version_key) == wanted]
+            wanted = node_version(self.held[nearest], CHUNK_VERSION_KEY)
+            same = [n for n in candidates if node_version(n, CHUNK_VERSION_KEY) == wanted]
             candidates = same if wanted is not None and same else candidates
         if len(candidates) > 1:
             before, after = self.held.get(position - 1), self.held.get(position + 1)
@@ -231,20 +225,20 @@ class DocumentLayout:
             "ChunkIndexer(stable_ids=True) so a re-ingest overwrites them"
         )
 
-    def fill(self, segment: Segment, index_key: str) -> None:
+    def fill(self, segment: Segment) -> None:
         """Give ``segment`` its member chunks, true chunk range and distrusted members."""
         positions = range(segment.start, segment.end)
         segment.members = [self.held[p] for p in positions]
-        segment.chunk_range = self._chunk_range(segment, index_key)
+        segment.chunk_range = self._chunk_range(segment)
         segment.distrusted = frozenset(self.held[p].node_id for p in positions if p in self.suspect)
 
-    def _chunk_range(self, segment: Segment, index_key: str) -> tuple[int, int] | None:
+    def _chunk_range(self, segment: Segment) -> tuple[int, int] | None:
         """True chunk indices of ``segment``, or ``None`` when nothing vouches for them.
 
         Stamped indices vouch; so does a store's record, up to the first hole (past one, the
         number of chunks missing is unknown). Positions inferred from links never do.
         """
-        indices = [chunk_index(m, index_key) for m in segment.members]
+        indices = [chunk_index(m, CHUNK_INDEX_KEY) for m in segment.members]
         if all(i is not None for i in indices):
             first = indices[0]
             assert first is not None
@@ -258,9 +252,7 @@ class DocumentLayout:
 def lay_out(
     docs: Mapping[str, Sequence[BaseNode]],
     source: ChunkSource,
-    index_key: str,
     max_document_chunks: int,
-    version_key: str = CHUNK_VERSION_KEY,
 ) -> Generator[ChunkRequest, Any, dict[str, DocumentLayout]]:
     """Place every retrieved node (``docs``: document id -> its hits, best first) in its
     document.
@@ -275,16 +267,16 @@ def lay_out(
     """
     layouts: dict[str, DocumentLayout] = {}
     for doc_id, members in docs.items():
-        indices = {n.node_id: chunk_index(n, index_key, strict=True) for n in members}
+        indices = {n.node_id: chunk_index(n, CHUNK_INDEX_KEY, strict=True) for n in members}
         if all(i is not None for i in indices.values()):
-            layouts[doc_id] = _stamped(doc_id, members, indices, source, version_key)
+            layouts[doc_id] = _stamped(doc_id, members, indices, source)
     if source.supports("ref_doc_ids"):
         # Asked for indexed documents too: the docstore then serves their gap reads by id.
         answer: dict[str, list[str]] = yield ChunkRequest("ref_doc_ids", doc_ids=list(docs))
         for doc_id, ids in answer.items():
             if doc_id not in docs:
                 continue
-            listed = DocumentLayout.from_slots(doc_id, ids, docs[doc_id], "docstore", version_key)
+            listed = DocumentLayout.from_slots(doc_id, ids, docs[doc_id], "docstore")
             known = layouts.get(doc_id)
             if known is None:
                 agrees = all(n.node_id in listed.positions for n in docs[doc_id])
@@ -299,21 +291,20 @@ def lay_out(
         for doc_id, members in group_by_document(read).items():
             if doc_id not in pending or len(members) > max_document_chunks:
                 continue
-            order = by_version(document_order(members), docs[doc_id], version_key)
-            layout = DocumentLayout.from_slots(
-                doc_id, [n.node_id for n in order], order, "vector_store", version_key
-            )
+            order = by_version(document_order(members), docs[doc_id])
+            ids = [n.node_id for n in order]
+            layout = DocumentLayout.from_slots(doc_id, ids, order, "vector_store")
             if all(n.node_id in layout.positions for n in docs[doc_id]):
                 layout.hold(order)
                 for left, right in itertools.pairwise(sorted(layout.held)):
-                    why = version_conflict(layout.held[left], layout.held[right], version_key)
+                    why = version_conflict(layout.held[left], layout.held[right])
                     if why is not None and right == left + 1:
                         layout.cut(left, why)
                 layouts[doc_id] = layout
     for doc_id, members in docs.items():
         if doc_id not in layouts and orderable(members):
-            positions = positions_from_links(members, version_key)
-            layouts[doc_id] = DocumentLayout(doc_id, positions, "links", version_key=version_key)
+            positions = positions_from_links(members)
+            layouts[doc_id] = DocumentLayout(doc_id, positions, "links")
         if doc_id in layouts:
             layouts[doc_id].hold(members)  # the retrieved copy wins over a copy read back
     return layouts
@@ -324,7 +315,6 @@ def _stamped(
     members: Sequence[BaseNode],
     indices: Mapping[str, int | None],
     source: ChunkSource,
-    version_key: str,
 ) -> DocumentLayout:
     """Layout from stamped chunk indices; a hit claiming a position taken is a conflict."""
     positions: dict[str, int] = {}
@@ -341,12 +331,7 @@ def _stamped(
     stable = all(n == stable_chunk_id(doc_id, i) for n, i in positions.items())
     fetchable = source.supports("chunk_indices") or (stable and source.can_read)
     layout = DocumentLayout(
-        doc_id,
-        positions,
-        "chunk_index",
-        fetchable=fetchable,
-        stable_ids=stable,
-        version_key=version_key,
+        doc_id, positions, "chunk_index", fetchable=fetchable, stable_ids=stable
     )
     for node, index in conflicts:
         layout.conflicts.append(node)
@@ -410,7 +395,6 @@ def place_read(
     read: Sequence[BaseNode],
     missing: Mapping[str, set[int]],
     layouts: Mapping[str, DocumentLayout],
-    index_key: str,
 ) -> None:
     """Put chunks read back in their place; what was asked for and not read is a hole, and so
     is a position two different chunks were read for (see :meth:`DocumentLayout.choose`).
@@ -426,7 +410,7 @@ def place_read(
         if layout.slots is not None:
             position = layout.positions.get(node.node_id)
         else:
-            position = chunk_index(node, index_key)
+            position = chunk_index(node, CHUNK_INDEX_KEY)
         if position is not None and position in missing[layout.doc_id]:
             claims.setdefault((layout.doc_id, position), []).append(node)
     for (doc_id, position), claimants in sorted(claims.items(), key=lambda c: c[0][1]):

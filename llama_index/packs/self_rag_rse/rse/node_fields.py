@@ -16,8 +16,6 @@ from typing import Any
 import numpy as np
 from llama_index.core.schema import BaseNode, NodeRelationship
 
-__all__ = ["char_span", "chunk_index", "node_version", "same_value"]
-
 
 def chunk_index(node: BaseNode, key: str, *, strict: bool = False) -> int | None:
     """The chunk index in ``node.metadata[key]``: a non-negative integer, or ``None``.
@@ -35,13 +33,14 @@ def chunk_index(node: BaseNode, key: str, *, strict: bool = False) -> int | None
         raise ValueError(
             f"node {node.node_id!r} has {key}={value!r}: a chunk index is the chunk's 0-based "
             "position in its document, a non-negative integer. Fix: stamp the indices with "
-            "ChunkIndexer at ingestion, or point chunk_index_key at the metadata key that "
-            "holds them"
+            "ChunkIndexer at ingestion (it writes them under this key)"
         )
     return index
 
 
 def _as_index(value: Any) -> int | None:
+    if type(value) is int:  # the common case, without the abstract-class checks below
+        return value if value >= 0 else None
     if isinstance(value, bool | np.bool_):
         return None
     if isinstance(value, np.ndarray):

@@ -21,22 +21,6 @@ from llama_index.packs.self_rag_rse.rse.chunk_sources import nodes_by_id
 from llama_index.packs.self_rag_rse.rse.node_fields import char_span, node_version
 from llama_index.packs.self_rag_rse.rse.stitching import find_breaks, suspect_offsets
 
-__all__ = [
-    "adjacent",
-    "by_version",
-    "document_order",
-    "group_by_document",
-    "join_conflict",
-    "link",
-    "link_conflict",
-    "linked",
-    "orderable",
-    "positions_from_links",
-    "run_breaks",
-    "version_conflict",
-    "with_missing_slots",
-]
-
 
 def link(node: BaseNode, relation: NodeRelationship) -> str | None:
     """Id of the node that ``relation`` (NEXT, PREVIOUS, ...) points at, if any."""
@@ -85,29 +69,29 @@ def orderable(members: Sequence[BaseNode]) -> bool:
     )
 
 
-def by_version(ordered: Sequence[BaseNode], hits: Sequence[BaseNode], key: str) -> list[BaseNode]:
+def by_version(ordered: Sequence[BaseNode], hits: Sequence[BaseNode]) -> list[BaseNode]:
     """A document's nodes (in order) regrouped by version: the hits' versions in their order,
     each version's nodes together; nodes of versions no hit has are left out.
 
     Sorting two versions by offset interleaves them (both have a chunk at every offset); no
     segment may mix versions, and the chunks between two hits are of the hits' version.
     """
-    versions = {node_version(n, key) for n in ordered}
+    versions = {node_version(n, CHUNK_VERSION_KEY) for n in ordered}
     if len(versions) <= 1:
         return list(ordered)
-    wanted = list(dict.fromkeys(node_version(h, key) for h in hits))
+    wanted = list(dict.fromkeys(node_version(h, CHUNK_VERSION_KEY) for h in hits))
     grouped: dict[str | None, list[BaseNode]] = {v: [] for v in wanted}
     for node in ordered:
-        version = node_version(node, key)
+        version = node_version(node, CHUNK_VERSION_KEY)
         if version in grouped:
             grouped[version].append(node)
     return [node for version in wanted for node in grouped[version]]
 
 
-def adjacent(left: BaseNode, right: BaseNode, version_key: str = CHUNK_VERSION_KEY) -> bool:
+def adjacent(left: BaseNode, right: BaseNode) -> bool:
     """Whether ``right`` is known to follow ``left`` directly (a link, or touching offsets),
     and both come from the same version of their document."""
-    if version_conflict(left, right, version_key) is not None:
+    if version_conflict(left, right) is not None:
         return False
     if link(left, NodeRelationship.NEXT) == right.node_id:
         return True
@@ -120,9 +104,7 @@ def adjacent(left: BaseNode, right: BaseNode, version_key: str = CHUNK_VERSION_K
     return bool(first <= start <= end)
 
 
-def positions_from_links(
-    members: Sequence[BaseNode], version_key: str = CHUNK_VERSION_KEY
-) -> dict[str, int]:
+def positions_from_links(members: Sequence[BaseNode]) -> dict[str, int]:
     """Positions for a document no store can describe: adjacent only where known adjacent.
 
     Nodes linked by NEXT/PREVIOUS (or with touching offsets) get consecutive positions;
@@ -133,7 +115,7 @@ def positions_from_links(
     positions: dict[str, int] = {}
     position = 0
     for i, node in enumerate(ordered):
-        if i and not adjacent(ordered[i - 1], node, version_key):
+        if i and not adjacent(ordered[i - 1], node):
             position += 1
         positions[node.node_id] = position
         position += 1
@@ -163,10 +145,10 @@ def link_conflict(left: BaseNode, right: BaseNode) -> str | None:
     return None
 
 
-def version_conflict(left: BaseNode, right: BaseNode, key: str) -> str | None:
+def version_conflict(left: BaseNode, right: BaseNode) -> str | None:
     """Why ``left`` and ``right`` are of different versions of their document, or ``None``
     (also when either version is unknown)."""
-    a, b = node_version(left, key), node_version(right, key)
+    a, b = node_version(left, CHUNK_VERSION_KEY), node_version(right, CHUNK_VERSION_KEY)
     if a is None or b is None or a == b:
         return None
     return (
@@ -175,15 +157,13 @@ def version_conflict(left: BaseNode, right: BaseNode, key: str) -> str | None:
     )
 
 
-def join_conflict(left: BaseNode, right: BaseNode, version_key: str) -> str | None:
+def join_conflict(left: BaseNode, right: BaseNode) -> str | None:
     """Why ``left`` and ``right`` must not be joined whatever their texts say, or ``None``:
     different versions of the document, or a link that names another node."""
-    return version_conflict(left, right, version_key) or link_conflict(left, right)
+    return version_conflict(left, right) or link_conflict(left, right)
 
 
-def run_breaks(
-    nodes: Sequence[BaseNode], version_key: str = CHUNK_VERSION_KEY
-) -> tuple[dict[int, str], list[bool]]:
+def run_breaks(nodes: Sequence[BaseNode]) -> tuple[dict[int, str], list[bool]]:
     """Where consecutive ``nodes`` (placed side by side) must not be joined, and whose offsets
     the texts contradict.
 
@@ -200,7 +180,7 @@ def run_breaks(
     found: dict[int, str] = {}
     start = 0
     for i in range(1, len(nodes) + 1):
-        conflict = join_conflict(nodes[i - 1], nodes[i], version_key) if i < len(nodes) else None
+        conflict = join_conflict(nodes[i - 1], nodes[i]) if i < len(nodes) else None
         if conflict is None and i < len(nodes):
             continue
         # Stitch the stretch the links allow; the suspects come from the whole window.

@@ -17,12 +17,11 @@ from typing import Any
 from llama_index.core.schema import NodeRelationship, TextNode
 
 from llama_index.packs.self_rag_rse.context.segment_header import add_segment_header
+from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_INDEX_KEY
 from llama_index.packs.self_rag_rse.rse.node_fields import char_span, same_value
 from llama_index.packs.self_rag_rse.rse.ordering import linked
 from llama_index.packs.self_rag_rse.rse.stitching import find_breaks, stitch_chunks
 from llama_index.packs.self_rag_rse.rse.types import Segment
-
-__all__ = ["SEGMENT_METADATA_KEYS", "segment_nodes"]
 
 #: Metadata keys written on segment nodes (hidden from embedding and LLM text):
 #:
@@ -45,10 +44,10 @@ SEGMENT_METADATA_KEYS = (
 )
 
 
-def segment_nodes(segment: Segment, chunk_index_key: str) -> list[TextNode]:
+def segment_nodes(segment: Segment) -> list[TextNode]:
     """The node(s) for ``segment``: one, or one per side of each hole the stitch found.
 
-    Metadata shared by every member is kept, minus ``chunk_index_key`` (a segment is not one
+    Metadata shared by every member is kept, minus the chunk index (a segment is not one
     chunk); values compare with :func:`~.node_fields.same_value`, so a shared numpy array or
     NaN is kept like any other value. The :data:`SEGMENT_METADATA_KEYS` are added and hidden
     from embedding and LLM text.
@@ -67,9 +66,9 @@ def segment_nodes(segment: Segment, chunk_index_key: str) -> list[TextNode]:
     shared = dict(members[0].metadata)
     for member in members[1:]:
         shared = {k: v for k, v in shared.items() if same_value(member.metadata.get(k), v)}
-    shared.pop(chunk_index_key, None)
+    shared.pop(CHUNK_INDEX_KEY, None)
     hidden = list(SEGMENT_METADATA_KEYS)
-    for key in (*members[0].excluded_llm_metadata_keys, chunk_index_key):
+    for key in (*members[0].excluded_llm_metadata_keys, CHUNK_INDEX_KEY):
         if key not in hidden:
             hidden.append(key)
     relationships = {}
@@ -79,8 +78,6 @@ def segment_nodes(segment: Segment, chunk_index_key: str) -> list[TextNode]:
 
     nodes = []
     for piece in pieces:
-        first = segment.start + piece.first
-        stop = segment.start + piece.stop
         chunk_range: list[int] | None = None
         if segment.chunk_range is not None:
             chunk_range = [
@@ -98,9 +95,11 @@ def segment_nodes(segment: Segment, chunk_index_key: str) -> list[TextNode]:
             "segment_gaps": piece.gaps,
             "segment_breaks": breaks,
         }
-        node_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"rse:{segment.doc_id}:{first}:{stop}"))
+        # Named by what it holds, not by positions (renumbered from 0 on every call when only
+        # links order the hits): the same chunks and text, the same id; other content, another.
+        held = "\n".join([*metadata["segment_node_ids"], piece.text])
         node = TextNode(
-            id_=node_id,
+            id_=str(uuid.uuid5(uuid.NAMESPACE_URL, f"rse:{segment.doc_id}\n{held}")),
             text=piece.text,
             metadata=metadata,
             excluded_llm_metadata_keys=hidden,

@@ -17,8 +17,6 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only: this module must import without LlamaIndex
     from llama_index.core.schema import BaseNode, NodeWithScore
 
-__all__ = ["DocumentRegion", "Hole", "Segment", "SegmentExtraction"]
-
 
 @dataclass
 class DocumentRegion:
@@ -41,6 +39,7 @@ class Segment:
     ``None`` when positions were only inferred from links between retrieved chunks.
     ``distrusted`` holds the ids of members whose character offsets the texts contradict
     (stitching ignores them and reports no character range for the text around them).
+    ``nodes`` are the node(s) handed on for it, built once (see :mod:`~.segment_nodes`).
     """
 
     doc_id: str
@@ -50,6 +49,7 @@ class Segment:
     members: list[BaseNode] = field(default_factory=list)
     chunk_range: tuple[int, int] | None = None
     distrusted: frozenset[str] = frozenset()
+    nodes: list[BaseNode] = field(default_factory=list, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,6 @@ from typing import overload
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-__all__ = ["PRESETS", "RSEPreset", "adjust_for_length", "chunk_value", "get_preset"]
-
 FloatArray = NDArray[np.float64]
 
 

@@ -61,17 +61,15 @@ class ParagraphJudgement:
         w_use: float = 0.5,
         use_seqscore: bool = False,
     ) -> float:
-        """Self-RAG's final score: [seq] + w_rel·IsREL + w_sup·IsSUP + w_use·IsUSE."""
-        return final_score(
-            self.relevance,
-            self.support,
-            self.utility,
-            self.seq_score,
-            w_rel=w_rel,
-            w_sup=w_sup,
-            w_use=w_use,
-            use_seqscore=use_seqscore,
-        )
+        """Self-RAG's final score: [seq] + w_rel·IsREL + w_sup·IsSUP + w_use·IsUSE.
+
+        ``use_seqscore`` adds the answer's sequence score (exp of the mean token log-prob), which
+        favours fluent, confident answers; a critic that cannot read log-probs contributes 0 there.
+        """
+        total = w_rel * self.relevance + w_sup * self.support + w_use * self.utility
+        if use_seqscore and self.seq_score is not None:
+            total += self.seq_score
+        return float(total)
 
 
 @dataclass
@@ -89,28 +87,6 @@ class Continuation(ParagraphJudgement):
     tokens: list[Any] = field(default_factory=list)
     context: tuple[Any, ...] = ()
     stop: str = "eos"
-
-
-def final_score(
-    relevance: float,
-    support: float,
-    utility: float,
-    seq_score: float | None = None,
-    *,
-    w_rel: float = 1.0,
-    w_sup: float = 1.0,
-    w_use: float = 0.5,
-    use_seqscore: bool = False,
-) -> float:
-    """Combine the reflection scores as the paper does.
-
-    ``use_seqscore`` adds the answer's sequence score (exp of the mean token log-prob), which
-    favours fluent, confident answers; a critic that cannot read log-probs contributes 0 there.
-    """
-    total = w_rel * relevance + w_sup * support + w_use * utility
-    if use_seqscore and seq_score is not None:
-        total += seq_score
-    return float(total)
 
 
 class BaseCritic(PromptMixin, ABC):
@@ -167,16 +143,6 @@ class BaseCritic(PromptMixin, ABC):
         p([Retrieval]) / (p([Retrieval]) + p([No Retrieval])) exceeds it (``None``: never).
         """
         raise NotImplementedError(f"the {self.name} critic cannot write long-form answers")
-
-    def start_path(self, query: str) -> tuple[Any, ...]:
-        """Blocking :meth:`astart_path`."""
-        return run_sync(self.astart_path(query))
-
-    def write_segments(
-        self, branches: Sequence[tuple[tuple[Any, ...], str]], boundary_threshold: float | None
-    ) -> list[Continuation]:
-        """Blocking :meth:`awrite_segments`."""
-        return run_sync(self.awrite_segments(branches, boundary_threshold))
 
     def decide_retrieval(
         self, query: str, threshold: float | None, answer_if_skipped: bool = True

@@ -8,16 +8,17 @@ or a rewritten query when nothing relevant came back, and regenerates unsupporte
 
 The engine takes built parts (a retriever and a :class:`~.contract.BaseCritic`); the upstream
 constructor ``SelfRAGQueryEngine(model_path, retriever)`` and :meth:`SelfRAGQueryEngine.from_args`
-build the critic through :mod:`.factory`. The control flow is written once, as a generator of
-steps that the package's sync/async bridge drives, so ``query`` and ``aquery`` cannot drift
-apart.
+build the critic through :mod:`.factory`. The flow (the gate, then :mod:`.short_form` or
+:mod:`.long_form` over :class:`~.flow.FlowParts`) is written once, async: ``query`` runs it
+through the package's sync/async bridge, as the critics' blocking methods do, so ``query`` and
+``aquery`` cannot drift apart and ``query`` works inside a running event loop too.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Generator
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -27,49 +28,40 @@ from llama_index.core.base.response.schema import (
     Response,
     StreamingResponse,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import (
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.events.query import QueryEndEvent, QueryStartEvent
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.prompts.mixin import PromptDictType, PromptMixin, PromptMixinType
 from llama_index.core.query_engine import CustomQueryEngine
-from llama_index.core.schema import NodeWithScore, QueryType
+from llama_index.core.schema import QueryType
 
-from llama_index.packs.self_rag_rse.common.bridge import adrive, drive, iterate_sync, run_sync
-from llama_index.packs.self_rag_rse.common.options import pydantic_fields, reject_unknown
-from llama_index.packs.self_rag_rse.self_rag.contract import (
-    BaseCritic,
-    ParagraphJudgement,
-    RetrievalDecision,
+from llama_index.packs.self_rag_rse.common.bridge import run_sync
+from llama_index.packs.self_rag_rse.common.options import (
+    pydantic_fields,
+    reject_unknown,
+    require_finite,
 )
+from llama_index.packs.self_rag_rse.common.streams import astripped, stripped
+from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic, ParagraphJudgement
 from llama_index.packs.self_rag_rse.self_rag.factory import build_critic
-from llama_index.packs.self_rag_rse.self_rag.long_form import (
-    astream_pieces,
-    check_long_form,
-    long_form_flow,
-    long_form_unsupported,
-)
+from llama_index.packs.self_rag_rse.self_rag.flow import FlowParts, Outcome, check_query, query_meta
+from llama_index.packs.self_rag_rse.self_rag.long_form import long_form, long_form_unsupported
 from llama_index.packs.self_rag_rse.self_rag.prompts import (
     ENGINE_PROMPT_VARIABLES,
     ENGINE_PROMPTS,
     as_template,
 )
-from llama_index.packs.self_rag_rse.self_rag.short_form import short_form_flow
-from llama_index.packs.self_rag_rse.self_rag.steps import (
-    Outcome,
-    Step,
-    aretrieve,
-    astream_answer,
-    astripped,
-    check_options,
-    check_query,
-    check_retriever,
-    paragraph_text,
-    retrieve,
-    stream_answer,
-    stripped,
-)
+from llama_index.packs.self_rag_rse.self_rag.retrieval import paragraph_text, retrieve
+from llama_index.packs.self_rag_rse.self_rag.short_form import Corrective, short_form
 from llama_index.packs.self_rag_rse.self_rag.trace import print_table
 
 logger = logging.getLogger(__name__)
@@ -81,19 +73,18 @@ Mode = Literal["adaptive_retrieval", "always_retrieve", "no_retrieval"]
 NO_ANSWER = "No answer could be generated for this question."
 #: Metadata keys tried, in order, for a paragraph's title line.
 DEFAULT_TITLE_KEYS = ("title", "document_title")
-#: Steps the critic answers (the others read the retriever, or pass a streamed piece on).
-_CRITIC_STEPS = frozenset({"decide", "judge", "generate", "start", "write"})
+#: Options that must be finite numbers (``threshold`` may be None).
+_NUMBERS = ["w_rel", "w_sup", "w_use", "threshold", "rewrite_threshold"]
+_NUMBERS += ["support_threshold", "utility_threshold"]
 #: Keyword arguments of the upstream constructor that are not pydantic fields.
-_CONSTRUCTOR_ARGS = (
+_CONSTRUCTOR_ARGS = {
     "model_path",
-    "retriever",
-    "verbose",
     "model_kwargs",
     "generate_kwargs",
     "llm",
     "critic",
     "generator_llm",
-)
+}
 
 
 class SelfRAGQueryEngine(CustomQueryEngine):
@@ -109,15 +100,18 @@ class SelfRAGQueryEngine(CustomQueryEngine):
 
     The final score of a paragraph's answer is ``[seq_score] + w_rel·IsREL + w_sup·IsSUP +
     w_use·IsUSE``; the best one is the response. ``long_form=True`` writes the answer segment by
-    segment instead, each citing its passage (:mod:`.long_form`; Self-RAG models only). Unknown
-    options raise ``TypeError``. See the README for where we differ from the upstream pack
-    (probability gate, first grounding/utility position, original source nodes).
+    segment instead, each citing its passage (:mod:`.long_form`; Self-RAG models only). Options
+    are checked at construction and on assignment (``engine.ndocs = 0`` raises); unknown ones
+    raise ``TypeError``. docs/self-rag.md says where we differ from the upstream pack (probability
+    gate, first grounding/utility position, original source nodes).
 
     Example::
 
         engine = SelfRAGQueryEngine.from_args(index.as_retriever(), llm=LlamaCPP(model_path=...))
         print(engine.query("How do descriptors work?"))
     """
+
+    model_config = ConfigDict(validate_assignment=True)
 
     retriever: Any = Field(description="Any LlamaIndex retriever.")
     mode: Mode = Field(
@@ -169,9 +163,10 @@ class SelfRAGQueryEngine(CustomQueryEngine):
     streaming: bool = Field(
         default=False,
         description=(
-            "query returns a StreamingResponse, aquery an AsyncStreamingResponse. The model's "
-            "own answer (no retrieval) streams token by token; an answer chosen among "
-            "paragraphs is known, and yielded, once every paragraph is judged."
+            "query returns a StreamingResponse, aquery an AsyncStreamingResponse, with its "
+            "sources and metadata complete. The model's own answer (no retrieval) streams "
+            "token by token; an answer chosen among paragraphs, or a long-form answer (one "
+            "piece per segment), is known once the search ends, before the response is returned."
         ),
     )
     long_form: bool = Field(
@@ -211,13 +206,12 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         **options: Any,
     ) -> None:
         reject_unknown(
-            "SelfRAGQueryEngine", options, pydantic_fields(type(self)) | set(_CONSTRUCTOR_ARGS)
+            "SelfRAGQueryEngine", options, pydantic_fields(type(self)) | _CONSTRUCTOR_ARGS
         )
         if retriever is None:
             raise ValueError(
                 "SelfRAGQueryEngine needs a retriever: pass retriever=index.as_retriever()"
             )
-        check_retriever(retriever)
         generate_kwargs = dict(generate_kwargs or {})
         if "max_tokens" in generate_kwargs and "max_new_tokens" not in options:
             options["max_new_tokens"] = int(generate_kwargs.pop("max_tokens"))
@@ -227,8 +221,6 @@ class SelfRAGQueryEngine(CustomQueryEngine):
                 generate_kwargs["temperature"],
             )
         super().__init__(retriever=retriever, verbose=verbose, **options)  # type: ignore[call-arg]
-        check_options(self)
-        check_long_form(self)
         built = build_critic(
             critic,
             llm=llm,
@@ -247,6 +239,60 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         logger.info("Self-RAG critic: %s", self._critic.name)
         if self.verbose:
             print(f"Self-RAG critic: {self._critic.name}")
+
+    # -- option checks (at construction and on assignment) -----------------------------------
+    @field_validator(*_NUMBERS)
+    @classmethod
+    def _finite(cls, value: float | None, info: ValidationInfo) -> float | None:
+        require_finite("SelfRAGQueryEngine", **{str(info.field_name): value})
+        if info.field_name == "threshold" and value is not None and not 0.0 <= value <= 1.0:
+            raise ValueError(f"threshold is a probability in [0, 1] (or None), got {value}")
+        return value
+
+    @field_validator(
+        "max_new_tokens", "max_retrieval_rounds", "beam_width", "max_segments", "ndocs"
+    )
+    @classmethod
+    def _at_least_one(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value < 1:
+            none = " or None" if info.field_name == "ndocs" else ""
+            raise ValueError(f"{info.field_name} must be at least 1{none}, got {value}")
+        return value
+
+    @field_validator("retriever")
+    @classmethod
+    def _retriever(cls, value: Any) -> Any:
+        if not callable(getattr(value, "retrieve", None)):
+            raise TypeError(
+                f"retriever must be a LlamaIndex retriever (with retrieve()), got "
+                f"{type(value).__name__}: pass e.g. retriever=index.as_retriever()"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _long_form_options(self) -> SelfRAGQueryEngine:
+        if self.long_form and self.corrective:
+            raise ValueError(
+                "long_form=True and corrective=True cannot be combined: the corrective loop "
+                "re-retrieves and regenerates short-form answers; long form retrieves per "
+                "segment (segment_retrieval='per_segment')"
+            )
+        if self.long_form and self._critic is not None and not self._critic.writes_segments:
+            raise ValueError(long_form_unsupported(self._critic.name))
+        return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):
+            return super().__setattr__(name, value)
+        # A misspelt option is an error, as in the constructor.
+        reject_unknown("SelfRAGQueryEngine", [name], pydantic_fields(type(self)))
+        before = self.__dict__.get(name)
+        try:
+            super().__setattr__(name, value)
+        except ValueError:
+            # pydantic has already set the field when a check of the whole engine fails.
+            self.__dict__[name] = before
+            raise
 
     @classmethod
     def from_args(
@@ -315,9 +361,6 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             if key in self._prompts:
                 self._prompts[key] = as_template(prompt, key, ENGINE_PROMPT_VARIABLES)
 
-    def _prompt(self, key: str, query: str) -> str:
-        return self._prompts[key].format(query_str=query)
-
     # -- LlamaIndex entry points (with the events CustomQueryEngine does not emit) ------------
     @dispatcher.span
     def query(self, str_or_query_bundle: QueryType) -> RESPONSE_TYPE:
@@ -338,108 +381,87 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         return response
 
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
-        """Run Self-RAG for one query (blocking)."""
-        if self.streaming and self.long_form:
-            return self._stream_long_form(query_str)
-        outcome = drive(self._flow(query_str), self._run)
+        """Run Self-RAG for one query (blocking; safe inside a running event loop too)."""
+        outcome = run_sync(self._run(query_str, blocking=True))
+        final = functools.partial(self._final, meta=outcome.meta)
+        meta = {"self_rag": outcome.meta}
         if self.streaming:
-            pieces = stream_answer(outcome.answer, self._critic.stream_generate, query_str)
-            final = functools.partial(self._final, meta=outcome.meta)
-            return StreamingResponse(stripped(pieces, final), **self._parts(outcome))
+            pieces = outcome.stream()
+            stream = self._critic.stream_generate(query_str) if pieces is None else pieces
+            return StreamingResponse(stripped(stream, final), outcome.sources, meta)
         if outcome.answer is None:
             outcome.answer = self._critic.generate(query_str)
-        return Response(self._final(outcome.answer, outcome.meta), **self._parts(outcome))
+        return Response(final(outcome.answer), outcome.sources, meta)
 
     async def acustom_query(self, query_str: str) -> Response | AsyncStreamingResponse:
         """Run Self-RAG for one query; model work runs off the event loop."""
-        if self.streaming and self.long_form:
-            return self._astream_long_form(query_str)
-        outcome = await adrive(self._flow(query_str), self._arun)
+        outcome = await self._run(query_str, blocking=False)
+        final = functools.partial(self._final, meta=outcome.meta)
+        meta = {"self_rag": outcome.meta}
         if self.streaming:
-            apieces = astream_answer(outcome.answer, self._critic.astream_generate, query_str)
-            final = functools.partial(self._final, meta=outcome.meta)
-            return AsyncStreamingResponse(astripped(apieces, final), **self._parts(outcome))
+            stream = self._astream(outcome.stream(), query_str)
+            return AsyncStreamingResponse(astripped(stream, final), outcome.sources, meta)
         if outcome.answer is None:
             outcome.answer = await self._critic.agenerate(query_str)
-        return Response(self._final(outcome.answer, outcome.meta), **self._parts(outcome))
+        return Response(final(outcome.answer), outcome.sources, meta)
 
-    def _stream_long_form(self, query: str) -> StreamingResponse:
-        """Long form, streamed: the search runs as the response is read (see
-        :func:`~.long_form.astream_pieces`); sources and metadata are complete at its end."""
-        meta: dict[str, Any] = {}
-        sources: list[NodeWithScore] = []
-        final = functools.partial(self._final, meta=meta)
-        pieces = stripped(iterate_sync(astream_pieces(self, query, meta, sources)), final)
-        return StreamingResponse(pieces, source_nodes=sources, metadata={"self_rag": meta})
+    async def _astream(self, pieces: list[str] | None, query: str) -> AsyncIterator[str]:
+        """The answer's ``pieces``, or (``None``) the model's own answer as it writes it."""
+        if pieces is None:
+            async for piece in self._critic.astream_generate(query):
+                yield piece
+        for piece in pieces or []:
+            yield piece
 
-    def _astream_long_form(self, query: str) -> AsyncStreamingResponse:
-        """Async :meth:`_stream_long_form`."""
-        meta: dict[str, Any] = {}
-        sources: list[NodeWithScore] = []
-        final = functools.partial(self._final, meta=meta)
-        pieces = astripped(astream_pieces(self, query, meta, sources), final)
-        return AsyncStreamingResponse(pieces, source_nodes=sources, metadata={"self_rag": meta})
+    # -- the flow -----------------------------------------------------------------------------
+    async def _run(self, query: str, blocking: bool) -> Outcome:
+        """The query's flow, the same for ``query`` and ``aquery``: the gate, then the short
+        or the long form; sources and metadata are complete when it returns. ``blocking``
+        (``query``): retrieve with the blocking methods (see :func:`~.retrieval.retrieve`)."""
+        meta = query_meta(self._critic.name, self.long_form)
+        outcome = await self._flow(query, meta, blocking)
+        if self.verbose:
+            print_table(meta)
+        return outcome
 
-    # -- drivers ----------------------------------------------------------------------------
-    def _run(self, step: Step) -> Any:
-        return run_sync(self._arun(step)) if step.kind in _CRITIC_STEPS else self._run_here(step)
-
-    def _run_here(self, step: Step) -> Any:
-        if step.kind == "retrieve":
-            return retrieve(self.retriever, self.node_postprocessors, step.text)
-        return None  # emit: nothing to do unless the answer is streamed
-
-    async def _arun(self, step: Step) -> Any:
-        critic = self._critic
-        if step.kind == "decide":
-            return await critic.adecide_retrieval(step.text, self.threshold, not self.streaming)
-        if step.kind == "retrieve":
-            return await aretrieve(self.retriever, self.node_postprocessors, step.text)
-        if step.kind == "judge":
-            return await critic.ajudge(step.text, list(step.paragraphs))
-        if step.kind == "start":
-            return await critic.astart_path(step.text)
-        if step.kind == "write":
-            return await critic.awrite_segments(step.branches, self._boundary_threshold())
-        if step.kind == "emit":
-            return None
-        return await critic.agenerate(step.text)
-
-    def _boundary_threshold(self) -> float | None:
-        """Long form: where a generated [No Retrieval] ends a segment (adaptive mode only)."""
-        return self.threshold if self.mode == "adaptive_retrieval" else None
-
-    # -- the algorithm ----------------------------------------------------------------------
-    def _flow(
-        self, query: str, meta: dict[str, Any] | None = None
-    ) -> Generator[Step, Any, Outcome]:
-        check_query(query)
-        trace: list[dict[str, Any]] = []
-        meta = meta if meta is not None else {}
-        meta |= {
-            "critic": self._critic.name,
-            "retrieve": False,
-            "retrieve_prob": None,
-            "best": None,
-            "paragraphs": [],
-            "trace": trace,
-        }
-        if self.long_form:
-            meta |= {"long_form": True, "segments": [], "path_score": None, "depth": 0, "beams": []}
+    async def _flow(self, query: str, meta: dict[str, Any], blocking: bool) -> Outcome:
         if self.mode == "no_retrieval":
-            trace.append({"step": "generate", "reason": "mode=no_retrieval"})
+            meta["trace"].append({"step": "generate", "reason": "mode=no_retrieval"})
             return Outcome(None, [], meta)
         if self.mode == "adaptive_retrieval":
-            decision: RetrievalDecision = yield Step("decide", query)
-            meta["retrieve_prob"] = decision.probability
-            trace.append(
-                dict(step="decide", retrieve=decision.retrieve, probability=decision.probability)
+            gate = await self._critic.adecide_retrieval(query, self.threshold, not self.streaming)
+            meta["retrieve_prob"] = gate.probability
+            meta["trace"].append(
+                dict(step="decide", retrieve=gate.retrieve, probability=gate.probability)
             )
-            if not decision.retrieve:
-                return Outcome(decision.answer, [], meta)
+            if not gate.retrieve:
+                return Outcome(gate.answer, [], meta)
+        parts = FlowParts(
+            critic=self._critic,
+            retrieve=functools.partial(
+                retrieve, self.retriever, self.node_postprocessors, blocking=blocking
+            ),
+            score=self._score,
+            paragraph=functools.partial(paragraph_text, title_key=self.title_key),
+            prompts=dict(self._prompts),
+            ndocs=self.ndocs,
+            trace=meta["trace"],
+        )
         if self.long_form:
-            return (yield from long_form_flow(self, query, meta))
-        return (yield from short_form_flow(self, query, meta))
+            return await long_form(
+                parts,
+                query,
+                meta,
+                beam_width=self.beam_width,
+                max_segments=self.max_segments,
+                per_segment=self.segment_retrieval == "per_segment",
+                # A generated [No Retrieval] ends a segment only where the critic's gate decides.
+                boundary_threshold=self.threshold if self.mode == "adaptive_retrieval" else None,
+            )
+        knobs = {name: getattr(self, name) for name in Corrective.__dataclass_fields__}
+        return await short_form(
+            parts, query, meta, Corrective(**knobs) if self.corrective else None
+        )
 
     def _score(self, judgement: ParagraphJudgement) -> float:
         if judgement.error is not None:
@@ -453,23 +475,3 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             meta["trace"].append({"step": "no_answer", "reason": "the model generated no text"})
             return NO_ANSWER
         return answer
-
-    def _parts(self, outcome: Outcome) -> dict[str, Any]:
-        """Sources (best first: the chosen paragraph, then the rest by score; an empty answer
-        can outscore the chosen one but cannot be the response) and metadata."""
-        candidates, meta, best = outcome.candidates, outcome.meta, outcome.best
-        if best is not None:
-            meta["best"] = next(i for i, c in enumerate(candidates) if c is best)
-        if self.verbose:
-            print_table(candidates, meta)
-        if outcome.sources is not None:
-            return {"source_nodes": outcome.sources, "metadata": {"self_rag": meta}}
-        ranked = sorted(candidates, key=lambda c: (c is not best, -c.score))
-        sources = [
-            NodeWithScore(node=c.node.node, score=c.score if c.judgement.error is None else None)
-            for c in ranked
-        ]
-        return {"source_nodes": sources, "metadata": {"self_rag": meta}}
-
-    def _paragraph(self, item: NodeWithScore) -> str:
-        return paragraph_text(item, self.title_key)

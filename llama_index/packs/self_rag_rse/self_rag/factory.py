@@ -36,46 +36,27 @@ class BuiltCritic:
     loaded_model: Any = None
 
 
-def load_gguf(model_path: str, model_kwargs: Mapping[str, Any] | None = None) -> Any:
-    """Load a GGUF with llama.cpp (:data:`DEFAULT_MODEL_KWARGS` under ``model_kwargs``)."""
+def load_llama(model_path: str, model_kwargs: Mapping[str, Any] | None = None) -> Any:
+    """A ``llama_cpp.Llama`` on the GGUF at ``model_path`` (:data:`DEFAULT_MODEL_KWARGS` under
+    ``model_kwargs``); the engine's ``model_path=`` loads through here."""
     llama_cpp = import_llama_cpp("model_path")
     kwargs = {**DEFAULT_MODEL_KWARGS, **dict(model_kwargs or {})}
     return llama_cpp.Llama(model_path=str(model_path), **kwargs)
 
 
-def build_backend(
-    model: Any,
-    *,
-    max_new_tokens: int = 64,
-    num_workers: int = 4,
-    use_batched_decoding: bool = True,
-    llm_kwargs: Mapping[str, Any] | None = None,
-    n_seq_max: int = 8,
-    n_ctx: int | None = None,
-    n_threads: int | None = None,
-) -> CriticBackend:
-    """The :class:`~.backend.CriticBackend` for ``model``.
-
-    A ``LlamaCPP`` or ``llama_cpp.Llama`` gets batched llama.cpp decoding (unless
-    ``use_batched_decoding=False``); any other LlamaIndex ``LLM`` gets concurrent calls.
-    """
+def _backend(model: Any, max_new_tokens: int) -> CriticBackend:
+    """Batched llama.cpp decoding for a ``LlamaCPP`` or ``llama_cpp.Llama``; concurrent calls
+    for any other LlamaIndex ``LLM``."""
     from llama_index.core.llms import LLM
 
-    llama = llama_of(model) if use_batched_decoding else None
-    if llama is not None:
+    if llama_of(model) is not None:
         from llama_index.packs.self_rag_rse.llamacpp.backend import LlamaCppBackend
 
-        return LlamaCppBackend(
-            model,
-            max_new_tokens=max_new_tokens,
-            n_seq_max=n_seq_max,
-            n_ctx=n_ctx,
-            n_threads=n_threads,
-        )
+        return LlamaCppBackend(model, max_new_tokens=max_new_tokens)
     if isinstance(model, LLM):
         from llama_index.packs.self_rag_rse.self_rag.llm_backend import LLMBackend
 
-        return LLMBackend(model, llm_kwargs, num_workers=num_workers)
+        return LLMBackend(model)
     raise TypeError(
         f"llm must be a LlamaIndex LLM or a llama_cpp.Llama, got {type(model).__name__}"
     )
@@ -123,7 +104,7 @@ def build_critic(
         raise ValueError("pass model_path= or llm=, not both")
     loaded = None
     if model_path is not None:
-        llm = loaded = load_gguf(model_path, model_kwargs)
+        llm = loaded = load_llama(model_path, model_kwargs)
     try:
         return BuiltCritic(
             _choose(critic, llm, generator_llm, max_new_tokens=max_new_tokens), loaded
@@ -172,11 +153,11 @@ def _choose(critic: str, llm: Any, generator_llm: Any, *, max_new_tokens: int) -
             "server that serves one (OpenAILike(api_base=...)); use critic='prompted' for other "
             "LLMs"
         )
-    backend = build_backend(llm, max_new_tokens=max_new_tokens)
+    backend = _backend(llm, max_new_tokens)
     if generator_llm is None or generator_llm is llm:
         return PromptedCritic(backend)
     try:
-        generator = build_backend(generator_llm, max_new_tokens=max_new_tokens)
+        generator = _backend(generator_llm, max_new_tokens)
     except BaseException:
         backend.close()
         raise

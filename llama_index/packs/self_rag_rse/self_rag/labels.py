@@ -17,7 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llama_index.packs.self_rag_rse.self_rag.reflection import MISSING_LOGPROB, UTILITY_WEIGHTS
+from llama_index.packs.self_rag_rse.self_rag.reflection import (
+    MISSING_LOGPROB,
+    UTILITY_WEIGHTS,
+    logsumexp,
+)
 
 
 @dataclass(frozen=True)
@@ -56,14 +60,17 @@ class LabelScale:
         return vmin + (number - lo) / (hi - lo) * (vmax - vmin)
 
 
-_YES_NO_TRUTH = (("true", 0), ("false", 1))
+def _synonyms(*per_label: str) -> tuple[tuple[str, int], ...]:
+    """``(phrase, label index)`` pairs from one ``|``-separated string of phrases per label."""
+    return tuple((p, i) for i, phrases in enumerate(per_label) for p in phrases.split("|") if p)
+
 
 #: Gate: 1.0 for "retrieve". An unreadable verdict retrieves (evidence is the safe default).
 RETRIEVAL_SCALE = LabelScale(
     name="retrieval",
     labels=("Yes", "No"),
     values=(1.0, 0.0),
-    synonyms=(*_YES_NO_TRUTH, ("not needed", 1), ("no need", 1), ("unnecessary", 1)),
+    synonyms=_synonyms("true", "false|not needed|no need|unnecessary"),
     number_range=(0.0, 1.0),
     fallback=1.0,
 )
@@ -72,14 +79,7 @@ RELEVANCE_SCALE = LabelScale(
     name="relevance",
     labels=("Yes", "No"),
     values=(1.0, 0.0),
-    synonyms=(
-        *_YES_NO_TRUTH,
-        ("relevant", 0),
-        ("irrelevant", 1),
-        ("not relevant", 1),
-        ("isn't relevant", 1),
-        ("unrelated", 1),
-    ),
+    synonyms=_synonyms("true|relevant", "false|irrelevant|not relevant|isn't relevant|unrelated"),
     number_range=(0.0, 1.0),
     fallback=0.5,
 )
@@ -88,27 +88,11 @@ SUPPORT_SCALE = LabelScale(
     name="support",
     labels=("Yes", "Partly", "No"),
     values=(1.0, 0.5, 0.0),
-    synonyms=(
-        ("true", 0),
-        ("false", 2),
-        ("fully", 0),
-        ("full", 0),
-        ("fully supported", 0),
-        ("supported", 0),
-        ("completely", 0),
-        ("entirely", 0),
-        ("partially", 1),
-        ("partial", 1),
-        ("partially supported", 1),
-        ("somewhat", 1),
-        ("not fully", 1),
-        ("not supported", 2),
-        ("unsupported", 2),
-        ("no support", 2),
-        ("not support", 2),
-        ("contradicts", 2),
-        ("contradictory", 2),
-        ("contradicted", 2),
+    synonyms=_synonyms(
+        "true|fully|full|fully supported|supported|completely|entirely",
+        "partially|partial|partially supported|somewhat|not fully",
+        "false|not supported|unsupported|no support|not support|contradicts|contradictory"
+        "|contradicted",
     ),
     number_range=(0.0, 1.0),
     fallback=0.5,
@@ -170,16 +154,6 @@ def normalised_probabilities(label_logprobs: Sequence[float]) -> list[float]:
     return [w / total for w in weights]
 
 
-def logsumexp(values: Sequence[float]) -> float:
-    """log Σ exp(v), stable; ``-inf`` for an empty sequence."""
-    if not values:
-        return -math.inf
-    top = max(values)
-    if top == -math.inf:
-        return top
-    return top + math.log(sum(math.exp(v - top) for v in values))
-
-
 @dataclass(frozen=True)
 class Reading:
     """How one reply was read: ``score`` is ``None`` when it could not be, and ``note`` says why."""
@@ -190,19 +164,8 @@ class Reading:
 
 
 _FENCE = re.compile(r"```[A-Za-z0-9_-]*\s*(.*?)```", re.S)
-_NUMBER_WORDS = {
-    "zero": 0,
-    "one": 1,
-    "two": 2,
-    "three": 3,
-    "four": 4,
-    "five": 5,
-    "six": 6,
-    "seven": 7,
-    "eight": 8,
-    "nine": 9,
-    "ten": 10,
-}
+_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+_NUMBER_WORDS = {word: n for n, word in enumerate(_WORDS)}
 _NUMBER = re.compile(
     r"(?<![\w.])(?P<num>\d+(?:\.\d+)?|" + "|".join(_NUMBER_WORDS) + r")"
     r"(?:\s*(?:/|out\s+of)\s*(?P<den>\d+(?:\.\d+)?|" + "|".join(_NUMBER_WORDS) + r"))?"

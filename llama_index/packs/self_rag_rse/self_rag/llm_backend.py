@@ -86,37 +86,39 @@ class LLMBackend(CriticBackend):
         )
         self._warned_logprobs = False
 
+    def _prompt(self, template: BasePromptTemplate, values: Values) -> list[ChatMessage] | str:
+        """A chat model's messages (with the LLM's system prompt), or a completion model's text
+        (after the system prompt)."""
+        system = self.llm.system_prompt
+        if self.llm.metadata.is_chat_model:
+            return with_system(template.format_messages(**dict(values)), system)
+        text = template.format(**dict(values))
+        return f"{system}\n\n{text}" if system else text
+
     async def call(self, template: BasePromptTemplate, values: Values) -> Reply:
         """Ask once; chat models get a user message (plus the LLM's system prompt)."""
-        llm = self.llm
+        prompt = self._prompt(template, values)
         async with self._limit():
-            if llm.metadata.is_chat_model:
-                messages = with_system(template.format_messages(**dict(values)), llm.system_prompt)
-                chat = await llm.achat(messages, **self.llm_kwargs)
-                return Reply(
-                    chat.message.content or "", _logprob_pairs(chat.logprobs), _usage(chat.raw)
-                )
-            completion = await llm.acomplete(
-                _completion_text(llm, template, values), **self.llm_kwargs
-            )
-        return Reply(completion.text, _logprob_pairs(completion.logprobs), _usage(completion.raw))
+            if isinstance(prompt, str):
+                done: Any = await self.llm.acomplete(prompt, **self.llm_kwargs)
+                text = done.text
+            else:
+                done = await self.llm.achat(prompt, **self.llm_kwargs)
+                text = done.message.content or ""
+        return Reply(text, _logprob_pairs(done.logprobs), _usage(done.raw))
 
     async def astream(self, template: BasePromptTemplate, values: Values) -> AsyncIterator[str]:
         """One answer through the LLM's ``astream_chat``/``astream_complete``; an LLM that does
         not stream (``NotImplementedError``) answers in one piece."""
-        llm = self.llm
+        prompt = self._prompt(template, values)
         stream: AsyncIterator[Any] | None = None
         first: Any = None
         async with self._limit():
             try:
-                if llm.metadata.is_chat_model:
-                    messages = with_system(
-                        template.format_messages(**dict(values)), llm.system_prompt
-                    )
-                    stream = await llm.astream_chat(messages, **self.llm_kwargs)
+                if isinstance(prompt, str):
+                    stream = await self.llm.astream_complete(prompt, **self.llm_kwargs)
                 else:
-                    text = _completion_text(llm, template, values)
-                    stream = await llm.astream_complete(text, **self.llm_kwargs)
+                    stream = await self.llm.astream_chat(prompt, **self.llm_kwargs)
                 first = await anext(stream, None)
             except NotImplementedError:
                 stream = None
@@ -190,12 +192,6 @@ class LLMBackend(CriticBackend):
             "llm": type(self.llm).__name__,
             "model": getattr(self.llm.metadata, "model_name", None),
         }
-
-
-def _completion_text(llm: LLM, template: BasePromptTemplate, values: Values) -> str:
-    """The prompt of a completion model: the LLM's system prompt, then the template's text."""
-    text = template.format(**dict(values))
-    return f"{llm.system_prompt}\n\n{text}" if llm.system_prompt else text
 
 
 async def _gather(jobs: Any) -> list[Any]:

@@ -226,18 +226,12 @@ class PromptedCritic(BaseCritic):
         """
         if not paragraphs:
             return []
+        parts = ("answer", "relevance", "support", "utility")
+        prompts = JudgementPrompts(*(self._prompts[f"{part}_prompt"] for part in parts))
         results = await self.backend.judge_paragraphs(
-            query, paragraphs, self._judgement_prompts(), generator=self.generator_backend
+            query, paragraphs, prompts, generator=self.generator_backend
         )
         return [_judgement(result) for result in results]
-
-    def _judgement_prompts(self) -> JudgementPrompts:
-        return JudgementPrompts(
-            answer=self._prompts["answer_prompt"],
-            relevance=self._prompts["relevance_prompt"],
-            support=self._prompts["support_prompt"],
-            utility=self._prompts["utility_prompt"],
-        )
 
     @dispatcher.span
     async def agenerate(self, query: str) -> str:

@@ -22,7 +22,8 @@ computed in log space, so log-probs of -100 or -1e4 neither underflow nor divide
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+import math
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,7 +131,24 @@ def logprobs_from_top_dicts(
 # --- the scores ----------------------------------------------------------------------------------
 
 
-def _as_rows(logprobs: ArrayLike) -> NDArray[np.float64]:
+def logsumexp(values: Iterable[float]) -> float:
+    """log Σ exp(v), stable; ``-inf`` for no values (a ``+inf`` or NaN surfaces, not hidden)."""
+    values = [float(v) for v in values]
+    top = max(values, default=-math.inf)
+    if not math.isfinite(top):
+        return top
+    return top + math.log(sum(math.exp(v - top) for v in values))
+
+
+def _group(
+    logprobs: ArrayLike,
+    cols: Sequence[int],
+    generated: Sequence[Hashable] | None = None,
+    column_ids: Sequence[Hashable] = REFLECTION_TOKENS,
+) -> NDArray[np.float64] | None:
+    """Probabilities of the group ``cols`` normalised among themselves, at the first position
+    (with ``generated``: the first where the model generated one of them); ``None`` when there
+    is no such position or the group has no mass there."""
     rows = np.asarray(logprobs, dtype=np.float64)
     if rows.ndim == 1:
         rows = rows[None, :]
@@ -139,41 +157,20 @@ def _as_rows(logprobs: ArrayLike) -> NDArray[np.float64]:
             f"logprobs must have shape [n_generated, {len(REFLECTION_TOKENS)}] "
             f"(columns in REFLECTION_TOKENS order), got {rows.shape}"
         )
-    return rows
-
-
-def _logsumexp(values: NDArray[np.float64]) -> float:
-    top = float(np.max(values))
-    if not np.isfinite(top):
-        return top  # all -inf (or a +inf/nan that should surface rather than be hidden)
-    return top + float(np.log(np.sum(np.exp(values - top))))
-
-
-def _group_softmax(row: NDArray[np.float64], cols: Sequence[int]) -> NDArray[np.float64] | None:
-    """Probabilities of ``cols`` normalised among themselves; ``None`` if the group has no mass."""
-    group = row[list(cols)]
-    total = _logsumexp(group)
-    if total == -np.inf:
+    pos: int | None = 0
+    if generated is not None:
+        if len(column_ids) != len(REFLECTION_TOKENS):
+            raise ValueError(
+                f"column_ids must name the {len(REFLECTION_TOKENS)} REFLECTION_TOKENS in order, "
+                f"got {len(column_ids)}"
+            )
+        wanted = {column_ids[j] for j in cols}
+        pos = next((i for i, token in enumerate(generated) if token in wanted), None)
+    if pos is None or pos >= rows.shape[0]:
         return None
-    return np.exp(group - total)
-
-
-def _first_position(
-    generated: Sequence[Hashable], column_ids: Sequence[Hashable], cols: Sequence[int]
-) -> int | None:
-    wanted = {column_ids[j] for j in cols}
-    for i, token in enumerate(generated):
-        if token in wanted:
-            return i
-    return None
-
-
-def _check_column_ids(column_ids: Sequence[Hashable]) -> None:
-    if len(column_ids) != len(REFLECTION_TOKENS):
-        raise ValueError(
-            f"column_ids must name the {len(REFLECTION_TOKENS)} REFLECTION_TOKENS in order, "
-            f"got {len(column_ids)}"
-        )
+    group = rows[pos][list(cols)]
+    total = logsumexp(group)
+    return None if total == -np.inf else np.exp(group - total)
 
 
 def retrieval_probability(logprobs: ArrayLike) -> float:
@@ -183,10 +180,7 @@ def retrieval_probability(logprobs: ArrayLike) -> float:
     (Self-RAG uses 0.2 for PopQA). ``[Continue to Use Evidence]`` does not take part. Returns 0.0
     for an empty generation or when both tokens have probability 0.
     """
-    rows = _as_rows(logprobs)
-    if rows.shape[0] == 0:
-        return 0.0
-    probs = _group_softmax(rows[0], _RETRIEVAL_COLS)
+    probs = _group(logprobs, _RETRIEVAL_COLS)
     return 0.0 if probs is None else float(probs[0])
 
 
@@ -196,10 +190,7 @@ def relevance_score(logprobs: ArrayLike) -> float:
     Self-RAG emits the relevance token right after ``</paragraph>``, so only position 0 counts,
     whatever was generated there. Returns 0.0 for an empty generation.
     """
-    rows = _as_rows(logprobs)
-    if rows.shape[0] == 0:
-        return 0.0
-    probs = _group_softmax(rows[0], _RELEVANCE_COLS)
+    probs = _group(logprobs, _RELEVANCE_COLS)
     return 0.0 if probs is None else float(probs[0])
 
 
@@ -214,15 +205,8 @@ def support_score(
     generated none (an answer that never claims support earns none). ``column_ids`` identifies
     the reflection tokens in ``generated`` (ids or strings, in ``REFLECTION_TOKENS`` order).
     """
-    rows = _as_rows(logprobs)
-    _check_column_ids(column_ids)
-    pos = _first_position(generated, column_ids, _GROUNDING_COLS)
-    if pos is None or pos >= rows.shape[0]:
-        return 0.0
-    probs = _group_softmax(rows[pos], _GROUNDING_COLS)
-    if probs is None:
-        return 0.0
-    return float(probs[0] + 0.5 * probs[1])
+    probs = _group(logprobs, _GROUNDING_COLS, generated, column_ids)
+    return 0.0 if probs is None else float(probs[0] + 0.5 * probs[1])
 
 
 def utility_score(
@@ -237,17 +221,10 @@ def utility_score(
     the first; LlamaIndex's old pack used the last); 0.0 when it generated none, which is also the
     weight of a neutral ``[Utility:3]``.
     """
-    rows = _as_rows(logprobs)
-    _check_column_ids(column_ids)
     if len(weights) != len(UTILITY_TOKENS):
         raise ValueError(f"weights must have {len(UTILITY_TOKENS)} entries, got {len(weights)}")
-    pos = _first_position(generated, column_ids, _UTILITY_COLS)
-    if pos is None or pos >= rows.shape[0]:
-        return 0.0
-    probs = _group_softmax(rows[pos], _UTILITY_COLS)
-    if probs is None:
-        return 0.0
-    return float(np.dot(probs, np.asarray(weights, dtype=np.float64)))
+    probs = _group(logprobs, _UTILITY_COLS, generated, column_ids)
+    return 0.0 if probs is None else float(np.dot(probs, np.asarray(weights, dtype=np.float64)))
 
 
 def sequence_score(token_logprobs: ArrayLike) -> float:

@@ -1,45 +1,13 @@
-"""What the engine reports about a query: per-paragraph rows and the human-readable table."""
+"""The human-readable trace of a query (``verbose=True``): per-paragraph and per-depth tables."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from llama_index.core.schema import NodeWithScore
 
-from llama_index.packs.self_rag_rse.self_rag.contract import ParagraphJudgement
-
-
-@dataclass
-class Candidate:
-    """One judged paragraph: its node, the critic's judgement and the final score."""
-
-    node: NodeWithScore
-    judgement: ParagraphJudgement
-    score: float
-
-
-def paragraph_meta(c: Candidate) -> dict[str, Any]:
-    """The row of ``metadata["self_rag"]["paragraphs"]`` for one candidate."""
-    j = c.judgement
-    row: dict[str, Any] = {
-        "node_id": c.node.node.node_id,
-        "answer": j.answer,
-        "relevance": j.relevance,
-        "support": j.support,
-        "utility": j.utility,
-        "seq_score": j.seq_score,
-        "score": c.score if j.error is None else None,
-    }
-    if j.error is not None:
-        row["error"] = j.error
-    if j.details:
-        row["details"] = j.details
-    return row
-
-
-def print_table(candidates: list[Candidate], meta: dict[str, Any]) -> None:
-    """Print the per-paragraph scores and the trace (``verbose=True``)."""
+def print_table(meta: dict[str, Any]) -> None:
+    """Print the per-paragraph scores (or, in long form, the paths of each depth) and the
+    trace, from the response's ``metadata["self_rag"]``."""
     prob = meta["retrieve_prob"]
     print(
         f"Self-RAG [{meta['critic']}] retrieve={meta['retrieve']}"
@@ -47,19 +15,19 @@ def print_table(candidates: list[Candidate], meta: dict[str, Any]) -> None:
     )
     if meta.get("long_form"):
         _print_depths(meta)
-    if candidates:
+    if meta["paragraphs"]:
         print(
             f"  {'#':>2} {'node':<10} {'rel':>5} {'sup':>5} {'use':>5} {'seq':>5} "
             f"{'score':>6}  answer"
         )
-    for i, c in enumerate(candidates):
-        j = c.judgement
-        seq = f"{j.seq_score:.2f}" if j.seq_score is not None else "  -"
+    for i, row in enumerate(meta["paragraphs"]):
+        seq = f"{row['seq_score']:.2f}" if row["seq_score"] is not None else "  -"
+        score = f"{row['score']:6.2f}" if row["score"] is not None else f"{'-':>6}"
         mark = "*" if meta["best"] == i else " "
-        answer = (j.error or j.answer).replace("\n", " ")[:60]
+        answer = (row.get("error") or row["answer"]).replace("\n", " ")[:60]
         print(
-            f"{mark}{i:>2} {c.node.node.node_id[:10]:<10} {j.relevance:5.2f} {j.support:5.2f} "
-            f"{j.utility:+5.2f} {seq:>5} {c.score:6.2f}  {answer}"
+            f"{mark}{i:>2} {row['node_id'][:10]:<10} {row['relevance']:5.2f} "
+            f"{row['support']:5.2f} {row['utility']:+5.2f} {seq:>5} {score}  {answer}"
         )
     for entry in meta["trace"]:
         print("  trace:", entry)

@@ -17,6 +17,7 @@ from llama_index.packs.self_rag_rse.self_rag.reflection import (
     REFLECTION_TOKENS,
     RETRIEVAL,
     UTILITY_TOKENS,
+    ReflectionScores,
     logprobs_from_top_dicts,
     retrieval_probability,
     score_generation,
@@ -25,10 +26,10 @@ from llama_index.packs.self_rag_rse.served.apis import (
     CompletionAPI,
     ReflectionTokensUnidentifiable,
     ServerInfo,
+    TokenIds,
 )
 from llama_index.packs.self_rag_rse.served.followups import Followups
 from llama_index.packs.self_rag_rse.served.greedy import ServerNotGreedy
-from llama_index.packs.self_rag_rse.served.llamacpp_api import LlamaCppAPI
 from llama_index.packs.self_rag_rse.served.wire import Completion, Position, key_id
 
 logger = logging.getLogger(__name__)
@@ -105,14 +106,9 @@ async def write_segment(
     keys = completion.keys
     retrieval, no_retrieval = info.keys[RETRIEVAL], info.keys[NO_RETRIEVAL]
     reach = keys.index(retrieval) if retrieval in keys else len(keys)
-    needs: list[tuple[int, str]] = [(0, "relevance")] if keys else []
+    needs = group_needs(info, keys, reach)
     if boundary_threshold is not None:
-        needs += [(i, "retrieval") for i, k in enumerate(keys[:reach]) if k == no_retrieval]
-    for group, members in (("support", GROUNDING_TOKENS), ("utility", UTILITY_TOKENS)):
-        wanted = {info.keys[t] for t in members}
-        first = next((i for i, k in enumerate(keys[:reach]) if k in wanted), None)
-        if first is not None:
-            needs.append((first, group))
+        needs[1:1] = [(i, "retrieval") for i, k in enumerate(keys[:reach]) if k == no_retrieval]
     details = await followups.complete_positions(backend, info, prompt, completion, needs)
     matrix = reflection_matrix(info, completion)
     stop, end = "length", len(keys)
@@ -128,14 +124,8 @@ async def write_segment(
     else:
         if backend.ends_with_eog(completion):
             stop, end = "eos", len(keys) - 1
-    segment = completion.positions[:end]
-    scores = score_generation(
-        matrix,
-        keys[:end],
-        [p.logprob if p.logprob is not None else 0.0 for p in segment],
-        [info.keys[t] for t in REFLECTION_TOKENS],
-    )
-    tokens = [_token_id(p) for p in segment]
+    scores = scores_of(info, completion, end)
+    tokens = [_token_id(p) for p in completion.positions[:end]]
     text = await answer_of(backend, info, completion, end)
     return Continuation(
         " ".join(text.split()),
@@ -147,6 +137,29 @@ async def write_segment(
         tokens=tokens,
         context=(*context, *tokens),
         stop=stop,
+    )
+
+
+def group_needs(info: ServerInfo, keys: list[str], reach: int) -> list[tuple[int, str]]:
+    """Where a score reads a whole reflection group: relevance at the first position, support
+    and utility where the first of theirs was generated (before position ``reach``)."""
+    needs: list[tuple[int, str]] = [(0, "relevance")] if keys else []
+    for group, members in (("support", GROUNDING_TOKENS), ("utility", UTILITY_TOKENS)):
+        wanted = {info.keys[t] for t in members}
+        first = next((i for i, k in enumerate(keys[:reach]) if k in wanted), None)
+        if first is not None:
+            needs.append((first, group))
+    return needs
+
+
+def scores_of(info: ServerInfo, completion: Completion, end: int) -> ReflectionScores:
+    """The reflection scores of the first ``end`` positions, as the in-process critic reads them."""
+    positions = completion.positions[:end]
+    return score_generation(
+        reflection_matrix(info, completion),
+        [p.key for p in positions],
+        [p.logprob if p.logprob is not None else 0.0 for p in positions],
+        [info.keys[t] for t in REFLECTION_TOKENS],
     )
 
 
@@ -164,20 +177,18 @@ def paragraph_marks(info: ServerInfo) -> tuple[list[int], list[int]]:
     return [int(ids[0]), int(ids[1])], [int(ids[2])]  # type: ignore[arg-type]
 
 
-def token_api(backend: CompletionAPI, url: str) -> LlamaCppAPI:
-    """The API that tokenizes for long form: a path continues from the very tokens the model
+def token_api(backend: CompletionAPI, url: str) -> TokenIds:
+    """What tokenizes for long form, where a path continues from the very tokens the model
     wrote, which only an API that speaks token ids can send back (``url`` for the message)."""
-    if isinstance(backend, LlamaCppAPI):
-        return backend
-    native = getattr(backend, "native", None)
-    if isinstance(native, LlamaCppAPI):
-        return native
-    raise ValueError(
-        f"long form over a served model needs prompts and answers as token ids: {url} "
-        f"({backend.name}) speaks text, and a segment sent back as text is re-tokenized into "
-        "other tokens than the model wrote. Serve the model with llama.cpp's llama-server "
-        "(native or /v1 API), or use the short form"
-    )
+    tokens = backend.token_ids()
+    if tokens is None:
+        raise ValueError(
+            f"long form over a served model needs prompts and answers as token ids: {url} "
+            f"({backend.name}) speaks text, and a segment sent back as text is re-tokenized "
+            "into other tokens than the model wrote. Serve the model with llama.cpp's "
+            "llama-server (native or /v1 API), or use the short form"
+        )
+    return tokens
 
 
 def fit_passage(

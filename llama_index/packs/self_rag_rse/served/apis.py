@@ -65,6 +65,14 @@ class Refetched:
     why: str | None = None
 
 
+class TokenIds(Protocol):
+    """An API that tokenizes user text into the ids its completions take as prompts."""
+
+    async def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of ``texts``: the first with BOS (if the model adds one), the rest without."""
+        ...
+
+
 class CompletionAPI(Protocol):
     """What the critic needs from a server API."""
 
@@ -124,6 +132,11 @@ class CompletionAPI(Protocol):
 
     def ends_with_eog(self, completion: Completion) -> bool:
         """Whether the last position is an end-of-generation token (not part of the answer)."""
+        ...
+
+    def token_ids(self) -> TokenIds | None:
+        """What tokenizes for prompts sent as ids (long form continues a path from the very
+        tokens the model wrote), or ``None`` when this server only takes text."""
         ...
 
 

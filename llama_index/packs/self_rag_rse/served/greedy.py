@@ -36,21 +36,20 @@ KINDS = (LLAMA_CPP, LLAMA_CPP_PYTHON, VLLM, OPENAI)
 #: ``/v1/models`` ``owned_by`` of each server that says who it is.
 _OWNERS = {"llamacpp": LLAMA_CPP, "vllm": VLLM, "me": LLAMA_CPP_PYTHON}
 
+#: OpenAI's own greedy fields, which every server takes (an unknown one may reject anything else).
+_OPENAI_GREEDY = dict(temperature=0.0, presence_penalty=0.0, frequency_penalty=0.0, top_p=1.0)
 #: The fields that make each server's decoding plain greedy (and nothing else). Neutral values:
 #: penalties 1.0 (multiplicative) or 0.0 (additive); top-k/top-p/min-p that keep every token.
 GREEDY: dict[str, dict[str, Any]] = {
     LLAMA_CPP: {
-        "temperature": 0.0,
+        **_OPENAI_GREEDY,
         # Only top-k (k=1) in the sampler chain, after the request's own logit bias (none): no
         # penalty, DRY, XTC or mirostat stage the server was started with can run.
         "samplers": ["top_k"],
         "top_k": 1,
-        "top_p": 1.0,
         "min_p": 0.0,
         "typical_p": 1.0,
         "repeat_penalty": 1.0,
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
         "dry_multiplier": 0.0,
         "xtc_probability": 0.0,
         "mirostat": 0,
@@ -58,33 +57,17 @@ GREEDY: dict[str, dict[str, Any]] = {
         "logit_bias": [],
         "ignore_eos": False,
     },
+    # llama-cpp-python's repeat_penalty defaults to 1.1.
     LLAMA_CPP_PYTHON: {
-        "temperature": 0.0,
-        "repeat_penalty": 1.0,  # its default is 1.1
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
+        **_OPENAI_GREEDY,
+        "repeat_penalty": 1.0,
         "top_k": 0,
-        "top_p": 1.0,
         "min_p": 0.0,
         "mirostat_mode": 0,
     },
-    VLLM: {
-        "temperature": 0.0,
-        # Explicit values win over the model's generation_config.json defaults.
-        "repetition_penalty": 1.0,
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
-        "top_k": -1,
-        "top_p": 1.0,
-        "min_p": 0.0,
-    },
-    # OpenAI's own fields only: an unknown server may reject anything else.
-    OPENAI: {
-        "temperature": 0.0,
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
-        "top_p": 1.0,
-    },
+    # Explicit values win over the model's generation_config.json defaults.
+    VLLM: {**_OPENAI_GREEDY, "repetition_penalty": 1.0, "top_k": -1, "min_p": 0.0},
+    OPENAI: _OPENAI_GREEDY,
 }
 
 #: What each server may apply that no request field turns off, for the error message.
@@ -146,30 +129,19 @@ def check_greedy(
         best_key, best = max(position.top.items(), key=lambda item: item[1])
         if position.logprob >= best - TIE:
             continue
-        message = _message(i, position.key, position.logprob, best_key, best, server, url, sent)
-        raise ServerNotGreedy(message, url, i)
-
-
-def _message(
-    i: int,
-    token: str,
-    logprob: float,
-    best_key: str,
-    best: float,
-    server: str,
-    url: str,
-    sent: Mapping[str, Any],
-) -> str:
-    head = (
-        f"{url} ({server}) did not decode greedily: at generated position {i} it produced "
-        f"{token!r} (log-prob {logprob:.4f}) where it reports {best_key!r} as likelier "
-        f"({best:.4f}), so the critic's answers and scores would not be Self-RAG's"
-    )
-    changed = {k: v for k, v in sent.items() if k in GREEDY[server] and v != GREEDY[server][k]}
-    if changed:
-        named = ", ".join(f"{k}={v!r}" for k, v in changed.items())
-        return f"{head}: request_options sets {named}; remove it (greedy needs {GREEDY[server]})"
-    return (
-        f"{head}. The critic sent {dict(sent)}, so the server applies something a request "
-        f"cannot turn off: {_UNCONTROLLED[server]}, or a proxy before it rewrites requests"
-    )
+        head = (
+            f"{url} ({server}) did not decode greedily: at generated position {i} it produced "
+            f"{position.key!r} (log-prob {position.logprob:.4f}) where it reports {best_key!r} "
+            f"as likelier ({best:.4f}), so the critic's answers and scores would not be Self-RAG's"
+        )
+        greedy = GREEDY[server]
+        changed = {k: v for k, v in sent.items() if k in greedy and v != greedy[k]}
+        if changed:
+            named = ", ".join(f"{k}={v!r}" for k, v in changed.items())
+            fix = f": request_options sets {named}; remove it (greedy needs {greedy})"
+        else:
+            fix = (
+                f". The critic sent {dict(sent)}, so the server applies something a request "
+                f"cannot turn off: {_UNCONTROLLED[server]}, or a proxy before it rewrites requests"
+            )
+        raise ServerNotGreedy(head + fix, url, i)

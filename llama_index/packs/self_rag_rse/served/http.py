@@ -174,11 +174,18 @@ class JSONClient:
             ) from exc
 
     async def stream_parsed(
-        self, path: str, body: Mapping[str, Any], parse: Callable[[Any], T]
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        parse: Callable[[Any], T],
+        finished: Callable[[T], bool],
     ) -> AsyncIterator[T]:
         """POST ``body`` to ``path`` and yield each server-sent event's JSON, ``parse``d, as it
-        arrives (``data: [DONE]`` ends the stream). ``timeout`` bounds the time spent waiting
-        for the server in all, not the time the caller spends between events."""
+        arrives. The stream ends at ``data: [DONE]`` or with the body; a body that ends before
+        ``[DONE]`` and before an event that ``finished`` says ends the answer was cut (a proxy
+        or the server closed the connection): :class:`MalformedResponse` naming the URL.
+        ``timeout`` bounds the time spent waiting for the server in all, not the time the
+        caller spends between events."""
         url = self.url(path)
         client, limit = self._client()
         left = self.timeout
@@ -194,19 +201,38 @@ class JSONClient:
                     text, left = await _timed(response.aread(), left)
                     self._check_status("POST", path, response, text.decode("utf-8", "replace"))
                 lines = response.aiter_lines()
+                data: list[str] = []  # the data lines of the event being read
+                events, done = 0, False
                 while True:
+                    line: str | None
                     try:
                         line, left = await _timed(anext(lines), left)
                     except StopAsyncIteration:
-                        return
+                        line = None
                     except (httpx.HTTPError, asyncio.TimeoutError) as exc:
                         raise self._failure("POST", url, exc) from exc
-                    if not line.startswith("data:"):
-                        continue  # blank separators, comments, event names
-                    data = line[len("data:") :].strip()
-                    if data == "[DONE]":
-                        return
-                    yield self._event(url, data, parse)
+                    if line:  # a blank line (or the body's end) ends an event
+                        if line.startswith("data:"):
+                            # SSE: an event's data may span several lines, joined by newlines.
+                            data.append(line[5:].removeprefix(" "))
+                        continue  # comments, event names and ids are not used
+                    if data:
+                        joined, data = "\n".join(data).strip(), []
+                        if joined == "[DONE]":
+                            return
+                        event = self._event(url, joined, parse)
+                        events += 1
+                        done = done or finished(event)
+                        yield event
+                    if line is None:
+                        break
+                if not done:
+                    raise MalformedResponse(
+                        f"POST {url} ended its stream after {events} event(s) without the end "
+                        "of the answer (no [DONE], no finishing event): the connection was cut, "
+                        "by the server or a proxy before it; the answer is incomplete",
+                        url,
+                    )
             finally:
                 await response.aclose()
 
@@ -289,24 +315,18 @@ class JSONClient:
             pairs = list(self._clients.items())
             self._clients.clear()
         for loop, (client, _) in pairs:
-            if client.is_closed:
-                continue
-            if loop.is_closed():
-                continue  # its transports went with the loop
+            if client.is_closed or loop.is_closed():
+                continue  # a closed loop took its transports with it
             try:
                 running = asyncio.get_running_loop()
             except RuntimeError:
                 running = None
-            if running is loop:
-                loop.create_task(client.aclose())
-            elif loop.is_running():
-                future = asyncio.run_coroutine_threadsafe(client.aclose(), loop)
-                try:
-                    future.result(timeout=5)
-                except Exception as exc:  # closing must not raise over a finished query
-                    logger.debug("closing the HTTP client failed: %r", exc)
-            else:
-                try:
+            try:
+                if running is loop:
+                    loop.create_task(client.aclose())
+                elif loop.is_running():
+                    asyncio.run_coroutine_threadsafe(client.aclose(), loop).result(timeout=5)
+                else:
                     loop.run_until_complete(client.aclose())
-                except Exception as exc:
-                    logger.debug("closing the HTTP client failed: %r", exc)
+            except Exception as exc:  # closing must not raise over a finished query
+                logger.debug("closing the HTTP client failed: %r", exc)

@@ -14,6 +14,7 @@ log-probs. The OpenAI-style API on a llama-server uses the same follow-ups.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -30,6 +31,7 @@ from llama_index.packs.self_rag_rse.served.wire import (
     Completion,
     MalformedBody,
     Position,
+    StreamedCompletion,
     id_key,
     key_id,
     parse_native,
@@ -75,21 +77,13 @@ class LlamaCppAPI:
                 self.client.url("/props"),
             )
         n_ctx = settings.get("n_ctx")
-        content: list[Any] = []
-        for token in SELF_RAG_SPECIAL_TOKENS:
-            content += [token, _SEPARATOR]
-        body = await self.client.post(
-            "/tokenize", {"content": content[:-1], "add_special": False, "parse_special": True}
-        )
-        parts = self._split(body, len(SELF_RAG_SPECIAL_TOKENS))
+        parts = await self._tokenize(SELF_RAG_SPECIAL_TOKENS, special=True)
         ids = {t: p[0] for t, p in zip(SELF_RAG_SPECIAL_TOKENS, parts, strict=True) if len(p) == 1}
         self._special_ids = frozenset(ids.values())
         n_vocab = None
-        try:
+        with contextlib.suppress(ServerError, KeyError, IndexError, TypeError, AttributeError):
             models = await self.client.get("/v1/models")
             n_vocab = positive_count(models["data"][0].get("meta", {})["n_vocab"])
-        except (ServerError, KeyError, IndexError, TypeError, AttributeError):
-            pass
         if n_vocab is None:
             logger.info(
                 "no n_vocab from %s: exact follow-ups are off", self.client.url("/v1/models")
@@ -107,17 +101,23 @@ class LlamaCppAPI:
             sampling=dict(self.sampling),
         )
 
-    def _split(self, body: Any, expected: int) -> list[list[int]]:
+    async def _tokenize(self, texts: Sequence[str], special: bool) -> list[list[int]]:
+        """Token ids of each of ``texts`` from one ``/tokenize`` call; ``special``: the texts
+        are special tokens (parsed as such, no BOS), else user text (BOS first, not parsed)."""
+        content: list[Any] = []
+        for text in texts:
+            content += [text, _SEPARATOR]
+        options = {"add_special": not special, "parse_special": special}
+        body = await self.client.post("/tokenize", {"content": content[:-1], **options})
         url = self.client.url("/tokenize")
         try:
-            tokens = body["tokens"]
-            parts = split_tokens(tokens, _SEPARATOR)
+            parts = split_tokens(body["tokens"], _SEPARATOR)
         except (MalformedBody, KeyError, TypeError) as exc:
             raise MalformedResponse(f"{url} answered an unexpected body: {exc}", url) from exc
-        if len(parts) != expected:
+        if len(parts) != len(texts):
             raise MalformedResponse(
-                f"{url} split {expected} texts into {len(parts)} parts: the server does not pass "
-                "token ids through /tokenize content arrays",
+                f"{url} split {len(texts)} texts into {len(parts)} parts: the server does not "
+                "pass token ids through /tokenize content arrays",
                 url,
             )
         return parts
@@ -126,13 +126,7 @@ class LlamaCppAPI:
         """Token ids of ``texts`` in one request: the first with BOS (if the model adds one),
         the rest without; user text is never parsed for special tokens, and Self-RAG tokens
         that llama.cpp still matches in plain text (USER_DEFINED ones) are dropped."""
-        content: list[Any] = []
-        for text in texts:
-            content += [text, _SEPARATOR]
-        body = await self.client.post(
-            "/tokenize", {"content": content[:-1], "add_special": True, "parse_special": False}
-        )
-        parts = self._split(body, len(texts))
+        parts = await self._tokenize(texts, special=False)
         clean = [[t for t in part if t not in self._special_ids] for part in parts]
         dropped = sum(len(p) - len(c) for p, c in zip(parts, clean, strict=True))
         if dropped:
@@ -140,8 +134,8 @@ class LlamaCppAPI:
         return clean
 
     async def prompts(self, info: ServerInfo, prompt: str, layout: Layout) -> list[Any]:
-        after_prompt = self._ids(info, layout.after_prompt)
-        after_paragraph = self._ids(info, layout.after_paragraph)
+        after_prompt = _ids([info.keys[t] for t in layout.after_prompt])
+        after_paragraph = _ids([info.keys[t] for t in layout.after_paragraph])
         tokens = await self.tokenize([prompt, *layout.paragraphs])
         prefix, bodies = tokens[0] + after_prompt, tokens[1:]
         if not layout.paragraphs:
@@ -171,11 +165,6 @@ class LlamaCppAPI:
             )
         return [prefix + feed for feed in feeds]
 
-    @staticmethod
-    def _ids(info: ServerInfo, strings: Sequence[str]) -> list[int]:
-        ids = [key_id(info.keys[t]) for t in strings]
-        return [int(i) for i in ids if i is not None]
-
     def _body(self, prompt: list[int], n_predict: int, top_n: int) -> dict[str, Any]:
         return {
             "prompt": prompt,
@@ -196,12 +185,12 @@ class LlamaCppAPI:
         body = self._body(prompt, max_new_tokens, top_n)
         return await self.client.post_parsed("/completion", body, parse_native)
 
-    async def stream(
+    def stream(
         self, info: ServerInfo, prompt: Any, max_new_tokens: int, top_n: int
     ) -> AsyncIterator[Completion]:
         body = {**self._body(prompt, max_new_tokens, top_n), "stream": True}
-        async for chunk in self.client.stream_parsed("/completion", body, parse_native):
-            yield chunk
+        parse = StreamedCompletion(parse_native)
+        return self.client.stream_parsed("/completion", body, parse, lambda c: c.finished)
 
     async def refetch(
         self, info: ServerInfo, prompt: Any, generated: Sequence[str], top_n: int | None
@@ -216,8 +205,7 @@ class LlamaCppAPI:
                 "the server did not say its vocabulary size: cannot fetch a full distribution",
                 self.client.url("/v1/models"),
             )
-        ids = [key_id(k) for k in generated]
-        body = self._body(list(prompt) + [int(i) for i in ids if i is not None], 1, n)
+        body = self._body([*prompt, *_ids(generated)], 1, n)
         body["logit_bias"] = [[force, 1000.0]]
         completion = await self.client.post_parsed("/completion", body, parse_native)
         if not completion.positions or not completion.positions[0].reported:
@@ -250,8 +238,7 @@ class LlamaCppAPI:
         # were (to float32 rounding at the bias's size: ~1e-5). Response: k numbers, not the
         # vocabulary.
         ids = [key_id(m) for m in members]
-        gen = [key_id(k) for k in generated]
-        body = self._body(list(prompt) + [int(i) for i in gen if i is not None], 1, len(ids))
+        body = self._body([*prompt, *_ids(generated)], 1, len(ids))
         body.update(
             {
                 "post_sampling_probs": True,
@@ -286,3 +273,12 @@ class LlamaCppAPI:
     def ends_with_eog(self, completion: Completion) -> bool:
         """llama.cpp reports the end-of-generation token as the last one (``stop_type: eos``)."""
         return completion.stopped and bool(completion.positions)
+
+    def token_ids(self) -> LlamaCppAPI:
+        """Prompts are token ids here."""
+        return self
+
+
+def _ids(keys: Sequence[str]) -> list[int]:
+    """The ids of the id ``keys`` (text keys have none)."""
+    return [i for i in map(key_id, keys) if i is not None]

@@ -61,6 +61,7 @@ from llama_index.packs.self_rag_rse.served.wire import (
     Completion,
     MalformedBody,
     Position,
+    StreamedCompletion,
     key_id,
     parse_echo_tokens,
     parse_openai,
@@ -113,8 +114,7 @@ class OpenAIAPI:
         self._native: LlamaCppAPI | None = None
         self._prompt_ids: dict[str, list[int]] = {}
 
-    @property
-    def native(self) -> LlamaCppAPI | None:
+    def token_ids(self) -> LlamaCppAPI | None:
         """llama-server's native API behind this one (token ids), when the server is one."""
         return self._native
 
@@ -230,13 +230,14 @@ class OpenAIAPI:
         parse = partial(parse_openai, with_ids=self._native is not None)
         return await self.client.post_parsed("/completions", body, parse)
 
-    async def stream(
+    def stream(
         self, info: ServerInfo, prompt: Any, max_new_tokens: int, top_n: int
     ) -> AsyncIterator[Completion]:
         body = self._body(info, prompt, max_new_tokens, top_n, stream=True)
-        parse = partial(parse_openai, with_ids=self._native is not None, chunk=True)
-        async for chunk in self.client.stream_parsed("/completions", body, parse):
-            yield chunk
+        parse = StreamedCompletion(
+            partial(parse_openai, with_ids=self._native is not None, chunk=True)
+        )
+        return self.client.stream_parsed("/completions", body, parse, lambda c: c.finished)
 
     async def refetch(
         self, info: ServerInfo, prompt: Any, generated: Sequence[str], top_n: int | None
@@ -260,9 +261,8 @@ class OpenAIAPI:
         members: Sequence[str],
     ) -> Refetched:
         if self._native is not None:
-            if completion.extra.get("completion_tokens", len(completion.positions)) != len(
-                completion.positions
-            ):
+            n = len(completion.positions)
+            if completion.extra.get("completion_tokens", n) != n:
                 return Refetched(None, 0, "the server left positions out of its log-probs")
             return await self._native.refetch_group(info, prompt, completion, position, members)
         reported = completion.positions[position]

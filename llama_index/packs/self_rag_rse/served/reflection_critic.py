@@ -6,24 +6,18 @@ and ``retrieval_probability`` of :mod:`..self_rag.reflection`) as the in-process
 The gate is one request; judging k paragraphs is k concurrent requests (plus one ``/tokenize``
 on llama.cpp), at most ``num_workers`` in flight.
 
-Greedy means greedy on every server: each request carries the fields that turn the server's own
-sampling defaults off (:mod:`.greedy`; llama-cpp-python's server, for one, applies a repeat
-penalty unless told not to), and every generated token must be the most likely one the server
-reports at its position, else :class:`~.greedy.ServerNotGreedy` names the server, the position
-and the option to change.
+Greedy means greedy on every server: each request turns the server's own sampling defaults
+off, and a token that is not the most likely one at its position raises
+:class:`~.greedy.ServerNotGreedy` (see :mod:`.greedy`).
 
 Servers return the top N log-probs per position only. Scores need, at a few positions, every
 token of one reflection group (IsREL: ``[Relevant]``/``[Irrelevant]`` at the first position;
 IsSUP and IsUSE: the grounding or utility group where one was generated; the gate: ``[Retrieval]``
 /``[No Retrieval]``). When one of them is missing, ``missing_logprobs`` decides:
 
-* ``"refetch"``: one more request at that position asks for the group's log-probs (llama.cpp:
-  normalised among themselves, the group lifted by a shared logit bias, else the whole
-  vocabulary; OpenAI-style servers: as many log-probs as the server allows, after the prompt and
-  generated token ids with the group lifted where the server takes ids, else by regenerating
-  the answer up to that position, checked against what the completion reported; see
-  :mod:`.openai_api`). The score is exact; named in ``details["refetched"]``. A follow-up that
-  cannot isolate the group falls back to ``"bound"``.
+* ``"refetch"``: one more request at that position reads the group's log-probs exactly (how,
+  per server: :mod:`.llamacpp_api`, :mod:`.openai_api`); named in ``details["refetched"]``. A
+  follow-up that cannot isolate the group falls back to ``"bound"``.
 * ``"bound"``: the missing token's log-prob is taken as the N-th best one, an upper bound
   (it can be no likelier than the least likely token shown); named in ``details["bounded"]``.
 * ``"auto"`` (default): ``"refetch"`` where the server can, ``"bound"`` elsewhere.
@@ -32,6 +26,7 @@ IsSUP and IsUSE: the grounding or utility group where one was generated; the gat
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Literal
@@ -39,6 +34,7 @@ from typing import Any, Literal
 from llama_index.core.instrumentation import get_dispatcher
 
 from llama_index.packs.self_rag_rse.common.bridge import run_sync
+from llama_index.packs.self_rag_rse.common.streams import unsent_rest
 from llama_index.packs.self_rag_rse.self_rag.contract import (
     BaseCritic,
     Continuation,
@@ -54,15 +50,15 @@ from llama_index.packs.self_rag_rse.self_rag.reflection import (
     RETRIEVAL,
     MissingReflectionTokens,
     retrieval_probability,
-    score_generation,
 )
-from llama_index.packs.self_rag_rse.self_rag.steps import unsent_rest
 from llama_index.packs.self_rag_rse.served.answers import (
     answer_of,
     each_or_error,
     fit_passage,
+    group_needs,
     paragraph_marks,
     reflection_matrix,
+    scores_of,
     text_so_far,
     token_api,
     write_segment,
@@ -73,7 +69,7 @@ from llama_index.packs.self_rag_rse.served.apis import (
     ServerInfo,
 )
 from llama_index.packs.self_rag_rse.served.endpoint import endpoint_of, split_url
-from llama_index.packs.self_rag_rse.served.followups import GROUPS, Followups
+from llama_index.packs.self_rag_rse.served.followups import Followups
 from llama_index.packs.self_rag_rse.served.greedy import check_greedy
 from llama_index.packs.self_rag_rse.served.http import (
     JSONClient,
@@ -182,12 +178,10 @@ class ServedReflectionCritic(BaseCritic):
         self.max_logprobs = max_logprobs
         self.n_ctx = n_ctx
         self.request_options = dict(request_options or {})
-        self._root_client = JSONClient(
-            self.root, timeout=timeout, num_workers=num_workers, api_key=api_key
+        client = functools.partial(
+            JSONClient, timeout=timeout, num_workers=num_workers, api_key=api_key
         )
-        self._openai_client = JSONClient(
-            self.openai_base, timeout=timeout, num_workers=num_workers, api_key=api_key
-        )
+        self._root_client, self._openai_client = client(self.root), client(self.openai_base)
         self._followups = Followups(top_logprobs, refetch=missing_logprobs != "bound")
         self._backend: CompletionAPI | None = None
         self._info: ServerInfo | None = None
@@ -346,7 +340,7 @@ class ServedReflectionCritic(BaseCritic):
             after_paragraph=(PARAGRAPH_CLOSE,),
             reserve=self.max_new_tokens,
         )
-        prompts = await self._prompts(backend, info, query, layout)
+        prompts = await backend.prompts(info, PROMPT_TEMPLATE.format(query=query), layout)
         results = await asyncio.gather(
             *(self._judge_one(backend, info, p) for p in prompts), return_exceptions=True
         )
@@ -365,7 +359,13 @@ class ServedReflectionCritic(BaseCritic):
         """:meth:`agenerate` through the server's streaming API: the answer's text as the server
         writes it, checked greedy token by token (``ServerNotGreedy`` stops the stream). Text
         is held back while the newest token may still be the end of generation, or when the
-        server sends no bytes for a token (the rest then comes when the answer is complete)."""
+        server sends no bytes for a token (the rest then comes when the answer is complete).
+
+        A stream cut short, or one that repeats an event, raises ``MalformedResponse`` naming
+        the URL. When the server generated tokens it did not stream (llama-server holds back a
+        token that ends inside a UTF-8 character), text is held back from there and the rest
+        comes from one non-streamed request, so the pieces still join to :meth:`agenerate`'s
+        answer."""
         backend, info = await self._ready()
         prompt = await self._prompt(backend, info, query, Layout(after_prompt=(NO_RETRIEVAL,)))
         url = backend.client.url(backend.endpoint)
@@ -375,10 +375,14 @@ class ServedReflectionCritic(BaseCritic):
             start = len(completion.positions)
             completion.extend(chunk)
             check_greedy(completion, server=info.server, url=url, sent=info.sampling, start=start)
+            if completion.extra.get("left_out"):
+                continue
             text = text_so_far(info, completion)
             if text is not None and len(text) > len(emitted) and text.startswith(emitted):
                 yield text[len(emitted) :]
                 emitted = text
+        if completion.extra.get("left_out"):
+            completion = await backend.complete(info, prompt, self.max_new_tokens, 1)
         await self._followups.complete_positions(backend, info, prompt, completion, [])
         final = await answer_of(backend, info, completion)
         if rest := unsent_rest(emitted, final):
@@ -407,28 +411,39 @@ class ServedReflectionCritic(BaseCritic):
         before, after = paragraph_marks(info)
         texts = ["", *(p for _, p in branches)]  # the first gets BOS
         bodies = (await token_api(backend, self.openai_base).tokenize(texts))[1:]
+        passages = [[*before, *body, *after] for body in bodies]
+        prompts = [
+            fit_passage(info, context, passage, self.max_new_tokens)
+            for (context, _), passage in zip(branches, passages, strict=True)
+        ]
         results = await asyncio.gather(
             *(
                 write_segment(
                     backend,
                     info,
                     self._followups,
-                    fit_passage(info, context, [*before, *body, *after], self.max_new_tokens),
+                    prompt,
                     context,
                     self.max_new_tokens,
                     self.top_logprobs,
                     boundary_threshold,
                 )
-                for (context, _), body in zip(branches, bodies, strict=True)
+                for (context, _), prompt in zip(branches, prompts, strict=True)
             ),
             return_exceptions=True,
         )
-        return each_or_error(
+        segments = each_or_error(
             results,
             lambda i, e: Continuation(
                 "", 0.0, 0.0, 0.0, error=e, context=branches[i][0], stop="error"
             ),
         )
+        for segment, (context, _), passage, prompt in zip(
+            segments, branches, passages, prompts, strict=True
+        ):
+            if cut := len(context) + len(passage) - len(prompt):
+                segment.details["passage_cut"] = cut  # shown in the segment's row
+        return segments
 
     def close(self) -> None:
         """Close the HTTP connections (the server, and the model on it, keep running)."""
@@ -454,21 +469,9 @@ class ServedReflectionCritic(BaseCritic):
     ) -> ParagraphJudgement:
         completion = await backend.complete(info, prompt, self.max_new_tokens, self.top_logprobs)
         backend.check(info, completion)
-        keys = completion.keys
-        needs: list[tuple[int, str]] = [(0, "relevance")] if keys else []
-        for group in ("support", "utility"):
-            members = {info.keys[t] for t in GROUPS[group]}
-            position = next((i for i, k in enumerate(keys) if k in members), None)
-            if position is not None:
-                needs.append((position, group))
+        needs = group_needs(info, completion.keys, len(completion.positions))
         details = await self._followups.complete_positions(backend, info, prompt, completion, needs)
-        columns = [info.keys[t] for t in REFLECTION_TOKENS]
-        scores = score_generation(
-            reflection_matrix(info, completion),
-            keys,
-            [p.logprob if p.logprob is not None else 0.0 for p in completion.positions],
-            columns,
-        )
+        scores = scores_of(info, completion, len(completion.positions))
         answer = await answer_of(backend, info, completion)
         return ParagraphJudgement(
             answer=answer,
@@ -482,10 +485,5 @@ class ServedReflectionCritic(BaseCritic):
     async def _prompt(
         self, backend: CompletionAPI, info: ServerInfo, query: str, layout: Layout
     ) -> Any:
-        (prompt,) = await self._prompts(backend, info, query, layout)
+        (prompt,) = await backend.prompts(info, PROMPT_TEMPLATE.format(query=query), layout)
         return prompt
-
-    async def _prompts(
-        self, backend: CompletionAPI, info: ServerInfo, query: str, layout: Layout
-    ) -> list[Any]:
-        return await backend.prompts(info, PROMPT_TEMPLATE.format(query=query), layout)

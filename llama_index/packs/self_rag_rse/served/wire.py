@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,13 +65,14 @@ class Position:
 
     ``top`` maps candidate keys to log-probs; ``None`` (with ``logprob``) when the server
     reported nothing for this position. ``pieces`` maps candidate keys to their raw bytes
-    (llama.cpp only).
+    (llama.cpp only). ``offset`` is where the token's text starts (OpenAI's ``text_offset``).
     """
 
     key: str
     logprob: float | None = None
     top: dict[str, float] | None = None
     pieces: dict[str, bytes] = field(default_factory=dict)
+    offset: int | None = None
 
     @property
     def piece(self) -> bytes | None:
@@ -86,12 +87,14 @@ class Position:
 
 @dataclass
 class Completion:
-    """One completion: its positions, the text and whether it ended on end-of-generation."""
+    """One completion: its positions, the text and whether it ended on end-of-generation;
+    ``finished``: whether the server said the answer ends here (a streamed one's last event)."""
 
     positions: list[Position]
     text: str
     stopped: bool
     extra: dict[str, Any] = field(default_factory=dict)
+    finished: bool = True
 
     @property
     def keys(self) -> list[str]:
@@ -103,6 +106,7 @@ class Completion:
         self.positions.extend(chunk.positions)
         self.text += chunk.text
         self.stopped = self.stopped or chunk.stopped
+        self.finished = chunk.finished
         self.extra.update({k: v for k, v in chunk.extra.items() if v is not None})
 
 
@@ -113,6 +117,13 @@ def _require(body: Any, name: str, kind: type | tuple[type, ...]) -> Any:
     if not isinstance(value, kind):
         raise MalformedBody(f"field {name!r} is {type(value).__name__}, not {kind}")
     return value
+
+
+def _first_choice(body: Any) -> Mapping[str, Any]:
+    choices = _require(body, "choices", list)
+    if not choices or not isinstance(choices[0], Mapping):
+        raise MalformedBody("'choices' is empty")
+    return choices[0]
 
 
 def _logprob(value: Any, position: int, what: str) -> float:
@@ -200,10 +211,8 @@ def parse_native(body: Any) -> Completion:
             if not isinstance(entry, Mapping) or "id" not in entry:
                 raise MalformedBody("a completion_probabilities entry has no 'id'")
             if entry["id"] == raw:
-                top, pieces = _entry_top(entry, with_ids=True, position=i)
+                position.top, position.pieces = _entry_top(entry, with_ids=True, position=i)
                 position.logprob = _logprob(entry.get("logprob"), i, "the token's logprob")
-                position.top = top
-                position.pieces = pieces
                 k += 1
         positions.append(position)
     if k != len(entries):
@@ -220,12 +229,60 @@ def parse_native(body: Any) -> Completion:
                 "n_probs"
             )
     text = body.get("content", "")
+    predicted = body.get("tokens_predicted")
     return Completion(
         positions,
         text if isinstance(text, str) else "",
         stopped=body.get("stop_type") == "eos",
-        extra={"tokens_evaluated": body.get("tokens_evaluated")},
+        extra={
+            "tokens_evaluated": body.get("tokens_evaluated"),
+            "tokens_predicted": predicted if isinstance(predicted, int) else None,
+        },
+        finished=body.get("stop") is not False,  # a streamed event says whether it is the last
     )
+
+
+class StreamedCompletion:
+    """``parse`` for the events of one streamed completion, read in order: each must continue
+    the one before, by the positions the server reports (the count of tokens generated:
+    llama.cpp's ``tokens_predicted`` on every native event, ``usage.completion_tokens`` on
+    llama-server's last ``/v1`` one; the ``text_offset`` of OpenAI's legacy log-probs). An event
+    sent twice would put its tokens in the answer twice: :class:`MalformedBody`. Tokens counted
+    but never streamed (llama-server holds back a token that ends inside a UTF-8 character and
+    sends its text, not its id, with the next one) add up in each chunk's ``extra["left_out"]``.
+    """
+
+    def __init__(self, parse: Callable[[Any], Completion]) -> None:
+        self.parse = parse
+        self.generated = 0  # the server's count at its last report
+        self.since = 0  # positions read since then
+        self.text_end: int | None = None  # where the text of the last token read ends
+        self.left_out = 0
+
+    def __call__(self, event: Any) -> Completion:
+        chunk = self.parse(event)
+        self.since += len(chunk.positions)
+        count = chunk.extra.get("tokens_predicted", chunk.extra.get("completion_tokens"))
+        if count is not None:
+            if count < self.generated + self.since:
+                raise MalformedBody(
+                    f"the server counts {count} tokens generated where {self.generated} and "
+                    f"{self.since} more were streamed: the stream repeats or reorders events"
+                )
+            self.left_out += count - self.generated - self.since
+            self.generated, self.since = count, 0
+        for position in chunk.positions:
+            if position.offset is None:
+                continue
+            if self.text_end is not None and position.offset < self.text_end:
+                raise MalformedBody(
+                    f"a token at text offset {position.offset} starts before the text read so "
+                    f"far ends ({self.text_end}): the stream repeats or reorders events"
+                )
+            text = len(position.key) if key_id(position.key) is None else 0
+            self.text_end = position.offset + text
+        chunk.extra["left_out"] = self.left_out
+        return chunk
 
 
 def parse_native_post_sampling(body: Any) -> dict[str, float]:
@@ -258,14 +315,12 @@ def parse_openai(body: Any, with_ids: bool = False, chunk: bool = False) -> Comp
     event of a streamed completion, where the last one (``finish_reason`` set, no text) may
     carry no ``logprobs``.
     """
-    choices = _require(body, "choices", list)
-    if not choices or not isinstance(choices[0], Mapping):
-        raise MalformedBody("'choices' is empty")
-    choice = choices[0]
+    choice = _first_choice(body)
     text = choice.get("text", "")
     if not isinstance(text, str):
         raise MalformedBody("choices[0].text is not a string")
     stopped = choice.get("finish_reason") == "stop"
+    finished = not chunk or choice.get("finish_reason") is not None
     logprobs = choice.get("logprobs")
     usage = body.get("usage")
     generated = (
@@ -273,7 +328,7 @@ def parse_openai(body: Any, with_ids: bool = False, chunk: bool = False) -> Comp
     )
     extra: dict[str, Any] = {"completion_tokens": generated} if generated is not None else {}
     if chunk and logprobs is None and not text:
-        return Completion([], text, stopped, extra)
+        return Completion([], text, stopped, extra, finished)
     if not isinstance(logprobs, Mapping):
         raise MalformedBody("choices[0].logprobs is missing: the server ignored 'logprobs'")
     positions: list[Position] = []
@@ -291,13 +346,16 @@ def parse_openai(body: Any, with_ids: bool = False, chunk: bool = False) -> Comp
                 key, pieces = str(entry.get("token", "")), {}
             logprob = _logprob(entry.get("logprob"), i, "the token's logprob")
             positions.append(Position(key, logprob, top, pieces))
-        return Completion(positions, text, stopped, extra)
+        return Completion(positions, text, stopped, extra, finished)
     tokens = _require(logprobs, "tokens", list)
     token_logprobs = _require(logprobs, "token_logprobs", list)
     tops = logprobs.get("top_logprobs") or [None] * len(tokens)
-    if not (len(tokens) == len(token_logprobs) == len(tops)):
-        raise MalformedBody("tokens, token_logprobs and top_logprobs differ in length")
-    for i, (token, lp, top) in enumerate(zip(tokens, token_logprobs, tops, strict=True)):
+    offsets = logprobs.get("text_offset") or [None] * len(tokens)
+    if not (len(tokens) == len(token_logprobs) == len(tops) == len(offsets)):
+        raise MalformedBody("tokens, token_logprobs, top_logprobs and text_offset differ in length")
+    for i, (token, lp, top, offset) in enumerate(
+        zip(tokens, token_logprobs, tops, offsets, strict=True)
+    ):
         if not isinstance(token, str):
             raise MalformedBody(f"token {token!r} is not a string")
         if top is not None and not isinstance(top, Mapping):
@@ -306,16 +364,15 @@ def parse_openai(body: Any, with_ids: bool = False, chunk: bool = False) -> Comp
         if top is not None:
             candidates = {str(k): _logprob(v, i, f"candidate {str(k)!r}") for k, v in top.items()}
         chosen = None if lp is None else _logprob(lp, i, "the token's logprob")
-        positions.append(Position(token, chosen, candidates))
-    return Completion(positions, text, stopped, extra)
+        if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int)):
+            raise MalformedBody(f"text_offset {offset!r} is not an integer")
+        positions.append(Position(token, chosen, candidates, offset=offset))
+    return Completion(positions, text, stopped, extra, finished)
 
 
 def parse_echo_tokens(body: Any) -> list[str]:
     """The prompt tokens an OpenAI-style ``echo`` response lists (legacy or llama.cpp format)."""
-    choices = _require(body, "choices", list)
-    if not choices or not isinstance(choices[0], Mapping):
-        raise MalformedBody("'choices' is empty")
-    logprobs = choices[0].get("logprobs")
+    logprobs = _first_choice(body).get("logprobs")
     if not isinstance(logprobs, Mapping):
         raise MalformedBody("choices[0].logprobs is missing")
     if isinstance(logprobs.get("content"), list):

@@ -1,0 +1,230 @@
+"""What :class:`~llama_index.packs.self_rag_rse.RelevantSegmentPostprocessor` can be told.
+
+The options are pydantic fields checked by validators, with ``validate_assignment``: every check
+runs at construction and again whenever an option is set later (``rse.max_length = 0``
+raises), and a failed assignment leaves the option as it was. Messages name the option and what
+to pass. Options left ``None`` take their dsRAG preset's value (:func:`~.values.get_preset`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+from llama_index.core.bridge.pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
+
+from llama_index.packs.self_rag_rse.common.options import require_finite
+from llama_index.packs.self_rag_rse.rse.budget import MAX_BUDGET
+from llama_index.packs.self_rag_rse.rse.calibration import DEFAULT_COSINE_RANGE, check_calibration
+from llama_index.packs.self_rag_rse.rse.context_budget import CHARS_PER_TOKEN
+from llama_index.packs.self_rag_rse.rse.values import get_preset
+
+#: Options that count something, and what to pass instead of a bad value.
+_COUNTS = {
+    "max_length": "the most chunks in one segment, e.g. 10 (None: the preset's)",
+    "overall_max_length": "the most chunks over all segments, e.g. 30 (None: the preset's)",
+    "top_k_for_document_selection": "how many documents to search, e.g. 7 (None: the preset's)",
+    "max_document_chunks": "the most nodes read back per document, e.g. 20000",
+    "max_context_chars": "the size of the context the LLM may read, e.g. 3000",
+    "max_context_tokens": "the size of the context the LLM may read, e.g. 800",
+}
+#: The largest budgets, in the user's units (the search's arrays grow with the budget).
+_LIMITS = {
+    "max_context_chars": (MAX_BUDGET, "characters"),
+    "max_context_tokens": (MAX_BUDGET // CHARS_PER_TOKEN, "tokens"),
+}
+
+
+def _count_problem(name: str, value: Any) -> str:
+    return f"{name} must be a positive integer, got {value!r}: pass {_COUNTS[name]}"
+
+
+class SegmentOptions(BaseModel):
+    """The options of RSE, their defaults and their checks (see the module docstring)."""
+
+    model_config = ConfigDict(validate_assignment=True, arbitrary_types_allowed=True)
+
+    preset: str = Field(
+        default="balanced",
+        description="dsRAG preset giving the defaults: 'balanced', 'precision' or 'find_all'.",
+    )
+    max_length: int | None = Field(default=None, description="Most chunks in one segment.")
+    overall_max_length: int | None = Field(
+        default=None, description="Most chunks over all segments returned."
+    )
+    minimum_value: float | None = Field(
+        default=None, description="A segment must be worth at least this much to be returned."
+    )
+    irrelevant_chunk_penalty: float | None = Field(
+        default=None,
+        description=(
+            "Subtracted from every chunk's value. Higher gives shorter, fewer segments; "
+            "0 lets segments grow to max_length through unretrieved chunks."
+        ),
+    )
+    decay_rate: float | None = Field(
+        default=None, description="Rank decay: a hit at rank r is worth exp(-r / decay_rate)."
+    )
+    top_k_for_document_selection: int | None = Field(
+        default=None, description="Only documents of the top-k hits (by best rank) are searched."
+    )
+    calibration: Any = Field(
+        default=None,
+        description=(
+            "How node scores become relevance in [0, 1]: 'spread' (per query: best hit 1, median "
+            "hit 0; no range to tune per embedder), 'zscore' (per query: the mean hit 0, two "
+            "standard deviations above it 1), 'rank' (every hit 0.8: rank decay alone, dsRAG's "
+            "ignore_absolute_relevance), 'cosine_adaptive' (linear over cosine_range, "
+            "its top raised to the query's best score), 'cosine' (linear over the fixed "
+            "cosine_range), 'raw' (as is), 'cohere' / 'voyage' (dsRAG's beta CDFs for those "
+            "rerankers), or a callable on a numpy array (one query's scores). None (default): "
+            "'spread' under a context budget, 'cosine_adaptive' without one."
+        ),
+    )
+    cosine_range: tuple[float, float] = Field(
+        default=DEFAULT_COSINE_RANGE,
+        description=(
+            "Similarities at or below the first count 0, at or above the second 1 ('cosine'); "
+            "'cosine_adaptive' maps the query's best score to 1 when it is above the second."
+        ),
+    )
+    chunk_length_adjustment: bool = Field(
+        default=False,
+        description="Scale retrieved chunks' values by max(len, 700) / 700 characters (dsRAG).",
+    )
+    output: Literal["segments", "chunks"] = Field(
+        default="segments",
+        description="'segments': one node per segment; 'chunks': the member chunks in order.",
+    )
+    on_unplaceable: Literal["warn", "raise"] = Field(
+        default="warn",
+        description=(
+            "Nodes RSE cannot place (no source document, or nothing that orders them): pass "
+            "through after the segments with a warning, or raise."
+        ),
+    )
+    max_document_chunks: int = Field(
+        default=20_000,
+        description="Most nodes read back per document when the order must be read from the store.",
+    )
+    max_context_chars: int | None = Field(
+        default=None,
+        description=(
+            "Most characters the returned nodes hand the LLM (segment text with the overlap cut, "
+            "each segment's header once). Set, the search maximises value within it and fills "
+            "what is left with the best remaining hits; None keeps dsRAG's chunk counts."
+        ),
+    )
+    keep_top_hits: int = Field(
+        default=1,
+        ge=0,
+        description=(
+            "Under a context budget: the best this-many hits are always in the context (as far "
+            "as they fit together); the segments worth most are chosen among those that hold "
+            "them. 0: the search alone decides. Default 1: a segment of neighbours never "
+            "displaces the best hit."
+        ),
+    )
+    max_context_tokens: int | None = Field(
+        default=None,
+        description="The same budget in tokens, counted with `tokenizer`.",
+    )
+    tokenizer: Any = Field(
+        default=None,
+        exclude=True,
+        description=(
+            "Callable text -> tokens (a sequence) for max_context_tokens; default: one token per "
+            "4 characters, rounded up."
+        ),
+    )
+    verbose: bool = Field(default=False, description="Print a readable trace.")
+
+    # -- option checks: pydantic runs them at construction and on every assignment ----------
+    @field_validator(*_COUNTS, mode="wrap")
+    @classmethod
+    def _count(cls, value: Any, read: Callable[[Any], Any], info: ValidationInfo) -> Any:
+        name = str(info.field_name)
+        if isinstance(value, bool):  # pydantic would read True as 1
+            raise ValueError(_count_problem(name, value))
+        value = read(value)
+        if value is not None and value < 1:
+            raise ValueError(_count_problem(name, value))
+        limit, unit = _LIMITS.get(name, (value, ""))
+        if value is not None and value > limit:
+            raise ValueError(f"{name} must be at most {limit:,} {unit}, got {value:,}")
+        return value
+
+    @field_validator("preset", "calibration")
+    @classmethod
+    def _known_name(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name == "preset":
+            get_preset(value)  # a bad name fails now, not at the first query
+        elif value is not None:
+            check_calibration(value)
+        return value
+
+    @field_validator("minimum_value", "irrelevant_chunk_penalty", "decay_rate")
+    @classmethod
+    def _finite(cls, value: float | None, info: ValidationInfo) -> float | None:
+        require_finite(cls.__name__, **{str(info.field_name): value})
+        return value
+
+    @field_validator("cosine_range")
+    @classmethod
+    def _cosine_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        low, high = value
+        require_finite(cls.__name__, **{"cosine_range[0]": low, "cosine_range[1]": high})
+        if not high > low:
+            raise ValueError(
+                f"cosine_range must be (low, high) with high > low, got {value}: e.g. (0.1, 0.5)"
+            )
+        return value
+
+    @field_validator("output", "max_context_chars", "max_context_tokens", "tokenizer")
+    @classmethod
+    def _budget(cls, value: Any, info: ValidationInfo) -> Any:
+        # Checked against the options already set: on assignment all of them, at construction
+        # those defined before (output, the budgets, tokenizer: each pair is seen once).
+        given = {**info.data, str(info.field_name): value}
+        tokenizer = given.get("tokenizer")
+        if tokenizer is not None and not callable(tokenizer):
+            raise ValueError(
+                f"tokenizer must be a callable text -> tokens, got {type(tokenizer).__name__}: "
+                "pass e.g. tiktoken.get_encoding('cl100k_base').encode"
+            )
+        if tokenizer is not None and given.get("max_context_tokens", 0) is None:
+            raise ValueError(
+                "tokenizer counts max_context_tokens, which is not set: pass "
+                "max_context_tokens=N with it (max_context_chars counts characters), or drop "
+                "tokenizer"
+            )
+        budget = {given.get("max_context_chars"), given.get("max_context_tokens")} - {None}
+        if budget and given.get("output", "segments") != "segments":
+            raise ValueError(
+                "a context budget (max_context_chars / max_context_tokens) needs "
+                "output='segments': member chunks repeat their overlap, which the budget cuts"
+            )
+        return value
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether a context budget is set (the segments are then sized to it)."""
+        return self.max_context_chars is not None or self.max_context_tokens is not None
+
+    @property
+    def relevance_calibration(self) -> Any:
+        """The calibration in use: the one given, else 'spread' under a budget, else
+        'cosine_adaptive'."""
+        if self.calibration is not None:
+            return self.calibration
+        return "spread" if self.budgeted else "cosine_adaptive"
+
+    def _param(self, name: str) -> Any:
+        value = getattr(self, name)
+        return getattr(get_preset(self.preset), name) if value is None else value

@@ -1,0 +1,117 @@
+"""Retrieval for the Self-RAG flow: the retriever, then the engine's postprocessors, with what a
+retriever or postprocessor returned checked and named."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
+
+from llama_index.packs.self_rag_rse.common.notes import collect_notes
+from llama_index.packs.self_rag_rse.common.stores import in_thread, sync_client, vector_store_of
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Retrieval:
+    """Nodes after retrieval and post-processing, and who dropped them all (if anyone did)."""
+
+    nodes: list[NodeWithScore]
+    retrieved: int = 0
+    dropped_by: str | None = None
+    note: str | None = None
+
+
+def node_text(item: NodeWithScore) -> str:
+    return item.node.get_content(metadata_mode=MetadataMode.NONE)
+
+
+def paragraph_text(item: NodeWithScore, title_key: str | Sequence[str] | None) -> str:
+    """The paragraph the critic reads: an optional title line (the first non-empty value of the
+    ``title_key`` metadata keys), then the node's text."""
+    text = node_text(item)
+    keys = [title_key] if isinstance(title_key, str) else (title_key or [])
+    for key in keys:
+        title = item.node.metadata.get(key)
+        if title is not None and str(title).strip():
+            return f"{str(title).strip()}\n{text}"
+    return text
+
+
+def checked_nodes(nodes: Any, source: Any) -> list[NodeWithScore]:
+    """``nodes`` as a list, or a ``TypeError`` naming the retriever or postprocessor that
+    returned something other than a list of ``NodeWithScore``."""
+    name = type(source).__name__
+    if nodes is None or isinstance(nodes, (str, bytes)) or not hasattr(nodes, "__iter__"):
+        raise TypeError(
+            f"{name} returned {type(nodes).__name__}: a retriever or postprocessor must return "
+            "a list of NodeWithScore (an empty list when nothing matches)"
+        )
+    nodes = list(nodes)
+    wrong = next((n for n in nodes if not isinstance(n, NodeWithScore)), None)
+    if wrong is not None:
+        raise TypeError(
+            f"{name} returned a {type(wrong).__name__} among its nodes: a retriever or "
+            "postprocessor must return NodeWithScore objects (wrap nodes with NodeWithScore)"
+        )
+    return nodes
+
+
+@contextmanager
+def _retriever_errors(retriever: Any) -> Iterator[None]:
+    """Name the retriever in a type error from core's handling of what it returned (core
+    iterates the nodes before we see them: a ``_retrieve`` returning ``None`` fails there)."""
+    try:
+        yield
+    except (TypeError, AttributeError) as error:
+        if str(error).startswith(type(retriever).__name__):
+            raise  # ours, already named
+        raise TypeError(
+            f"{type(retriever).__name__} failed while retrieving ({type(error).__name__}: "
+            f"{error}); a retriever must return a list of NodeWithScore (an empty list when "
+            "nothing matches), not None or bare nodes"
+        ) from error
+
+
+async def retrieve(
+    retriever: Any, postprocessors: Sequence[Any], text: str, *, blocking: bool
+) -> Retrieval:
+    """Retrieve for ``text`` and run the postprocessors, noting one that dropped every node.
+
+    ``blocking`` (a synchronous query) calls their blocking methods, in worker threads: a
+    retriever without async support works, and the event loop stays free meanwhile."""
+    bundle = QueryBundle(text)
+    store = vector_store_of(retriever)
+    with _retriever_errors(retriever):
+        if sync_client(store) is not None:  # its async calls would fail: its sync one, in a thread
+            found = await in_thread(store, retriever.retrieve, bundle)
+        elif blocking:
+            found = await asyncio.to_thread(retriever.retrieve, bundle)
+        else:
+            found = await retriever.aretrieve(bundle)
+        nodes = checked_nodes(found, retriever)
+    with collect_notes() as notes:
+        kept, dropped_by = nodes, None
+        for post in postprocessors:
+            before = len(kept)
+            if blocking:
+                done = await asyncio.to_thread(post.postprocess_nodes, kept, query_bundle=bundle)
+            else:
+                done = await post.apostprocess_nodes(kept, query_bundle=bundle)
+            kept = checked_nodes(done, post)
+            if before and not kept and dropped_by is None:
+                dropped_by = type(post).__name__
+    note = None
+    if dropped_by is not None:
+        reasons = [text for source, text in notes if source == dropped_by]
+        note = f"{dropped_by} kept none of the {len(nodes)} retrieved nodes" + (
+            f": {reasons[0]}" if reasons else ""
+        )
+        logger.info("%s", note)
+    return Retrieval(kept, len(nodes), dropped_by, note)

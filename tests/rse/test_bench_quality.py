@@ -1,0 +1,76 @@
+"""The retrieval benchmark's scoring and the converter of Chroma's chunking evaluation set:
+several gold excerpts per question, IoU next to recall and precision."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_several_excerpts_are_one_gold_and_iou_counts_their_union(tmp_path: Path) -> None:
+    bench = _script("bench_rse_quality")
+    text = "alpha beta gamma delta epsilon zeta eta theta"
+    qa = tmp_path / "qa.jsonl"
+    row = {"question": "q?", "document": "a.md", "evidence": ["beta", "delta"]}
+    qa.write_text(json.dumps({**row, "evidence_starts": [6, 17]}) + "\n")
+    [query] = bench.load_questions(qa, {"a.md": text})
+    assert query.gold == [("a.md", 6, 10), ("a.md", 17, 22)]
+    # Returned: "beta gamma" (10 chars, 4 of them gold): recall 4/9, precision 4/10, IoU 4/15.
+    recall, precision, iou = bench.score([("a.md", 6, 16)], query)
+    assert (recall, precision, iou) == pytest.approx((4 / 9, 4 / 10, 4 / 15))
+    assert bench.score([], query) == (0.0, 0.0, 0.0)
+    assert bench.score([("b.md", 6, 10)], query)[0] == 0.0
+    qa.write_text(json.dumps({**row, "evidence_starts": [6, 18]}) + "\n")
+    with pytest.raises(SystemExit, match="not at 18"):
+        bench.load_questions(qa, {"a.md": text})
+
+
+def test_the_converter_writes_docs_and_questions_and_checks_offsets(tmp_path: Path) -> None:
+    convert = _script("convert_chunking_evaluation")
+    data = tmp_path / "clone" / convert.DATA
+    (data / "corpora").mkdir(parents=True)
+    (data / "corpora" / "notes.md").write_text("one two three\nfour five six\n", "utf-8")
+    with (data / "questions_df.csv").open("w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["question", "references", "corpus_id"])
+        good = {"content": "two", "start_index": 4, "end_index": 7}
+        shifted = {"content": "five", "start_index": 0, "end_index": 4}
+        missing = {"content": "seven", "start_index": 0, "end_index": 5}
+        writer.writerow(["Which?", json.dumps([good, shifted]), "notes"])
+        writer.writerow(["Gone?", json.dumps([missing]), "notes"])
+    counts = convert.convert(tmp_path / "clone", tmp_path / "out")
+    assert counts == {
+        "questions": 1,
+        "excerpts": 3,
+        "moved": 1,
+        "dropped": 1,
+        "questions dropped": 1,
+    }
+    [line] = (tmp_path / "out" / "questions.jsonl").read_text("utf-8").splitlines()
+    assert json.loads(line) == {
+        "question": "Which?",
+        "document": "notes.md",
+        "evidence": ["two", "five"],
+        "evidence_starts": [4, 19],
+    }
+    bench = _script("bench_rse_quality")
+    texts = bench.load_texts(tmp_path / "out" / "docs")
+    [query] = bench.load_questions(tmp_path / "out" / "questions.jsonl", texts)
+    assert query.gold == [("notes.md", 4, 7), ("notes.md", 19, 23)]

@@ -20,11 +20,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms import CompletionResponse, CustomLLM, LLMMetadata
 from llama_index.core.llms.callbacks import llm_completion_callback
 
-from llama_index.packs.self_rag_rse.self_rag.contract import (
-    BaseCritic,
-    ParagraphJudgement,
-    RetrievalDecision,
-)
+from llama_index.packs.self_rag_rse import BaseCritic, ParagraphJudgement, RetrievalDecision
 
 
 class ScriptedLLM(CustomLLM):

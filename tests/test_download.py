@@ -21,13 +21,12 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
-from llama_index.packs.self_rag_rse import download
+from llama_index.packs.self_rag_rse import download, download_llama_pack
 from llama_index.packs.self_rag_rse.cli import main
 from llama_index.packs.self_rag_rse.download import (
     PACKAGE,
     PACKAGE_PATH,
     copy_pack,
-    download_llama_pack,
     find_source,
     install_missing_requirements,
     missing_requirements,

@@ -64,7 +64,7 @@ async def test_a_damaged_cache_file_is_named_and_replaced(
 async def test_components_start_on_a_damaged_cache_folder(
     tmp_path: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from llama_index.packs.self_rag_rse.context.sectioner import DocumentSectioner
+    from llama_index.packs.self_rag_rse import DocumentSectioner
 
     damaged = tmp_path / CACHE_FILE_NAME
     damaged.write_text('{"self_rag_rse_context/sec')

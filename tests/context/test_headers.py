@@ -10,11 +10,9 @@ from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import MetadataMode
 
-from llama_index.packs.self_rag_rse import ChunkIndexer
+from llama_index.packs.self_rag_rse import ChunkIndexer, ContextualHeaders, DocumentSectioner
 from llama_index.packs.self_rag_rse.context.cache import ContextCache
-from llama_index.packs.self_rag_rse.context.headers import ContextualHeaders
 from llama_index.packs.self_rag_rse.context.keys import HEADER_KEY
-from llama_index.packs.self_rag_rse.context.sectioner import DocumentSectioner
 
 
 def _chunks(markdown: str, **metadata: Any) -> list[Any]:

@@ -14,9 +14,8 @@ from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import MetadataMode, NodeRelationship
 
-from llama_index.packs.self_rag_rse import ChunkIndexer
+from llama_index.packs.self_rag_rse import ChunkIndexer, DocumentSectioner
 from llama_index.packs.self_rag_rse.context.partition import PartitionError
-from llama_index.packs.self_rag_rse.context.sectioner import DocumentSectioner
 
 
 def _splitter() -> SentenceSplitter:

@@ -9,9 +9,12 @@ from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import MetadataMode, NodeWithScore
 from llama_index.core.storage.docstore import SimpleDocumentStore
 
-from llama_index.packs.self_rag_rse import ChunkIndexer, RelevantSegmentPostprocessor
-from llama_index.packs.self_rag_rse.context.headers import ContextualHeaders
-from llama_index.packs.self_rag_rse.context.sectioner import DocumentSectioner
+from llama_index.packs.self_rag_rse import (
+    ChunkIndexer,
+    ContextualHeaders,
+    DocumentSectioner,
+    RelevantSegmentPostprocessor,
+)
 from llama_index.packs.self_rag_rse.context.segment_header import add_segment_header
 
 #: Makes the Fish section several chunks long.

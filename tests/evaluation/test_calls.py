@@ -8,13 +8,13 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.llms import ChatMessage
 from retrievers import FixedRetriever
 
-from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
-from llama_index.packs.self_rag_rse.evaluation.runner import ModelCallCounter
-from llama_index.packs.self_rag_rse.self_rag.contract import (
+from llama_index.packs.self_rag_rse import (
     BaseCritic,
     ParagraphJudgement,
     RetrievalDecision,
+    SelfRAGQueryEngine,
 )
+from llama_index.packs.self_rag_rse.evaluation.runner import ModelCallCounter
 
 dispatcher = get_dispatcher(__name__)
 

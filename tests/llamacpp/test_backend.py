@@ -11,9 +11,8 @@ from typing import Any
 
 import pytest
 
-from llama_index.packs.self_rag_rse.llamacpp.backend import LlamaCppBackend
+from llama_index.packs.self_rag_rse import CriticBackend, LlamaCppBackend
 from llama_index.packs.self_rag_rse.self_rag.backend import (
-    CriticBackend,
     Generated,
     JudgementPrompts,
     ParagraphResult,

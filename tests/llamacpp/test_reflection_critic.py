@@ -11,8 +11,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
-from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic, ParagraphJudgement
+from llama_index.packs.self_rag_rse import BaseCritic, ParagraphJudgement, ReflectionCritic
 from llama_index.packs.self_rag_rse.self_rag.reflection import (
     FULLY_SUPPORTED,
     GROUNDING_TOKENS,

@@ -7,11 +7,11 @@ from corpus import unlinked
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llama_index.packs.self_rag_rse import SegmentExtraction, find_best_segments
 from llama_index.packs.self_rag_rse.common.bridge import drive
 from llama_index.packs.self_rag_rse.rse.chunk_sources import ChunkSource
 from llama_index.packs.self_rag_rse.rse.layout import DocumentLayout, lay_out
-from llama_index.packs.self_rag_rse.rse.segments import find_best_segments
-from llama_index.packs.self_rag_rse.rse.types import DocumentRegion, SegmentExtraction
+from llama_index.packs.self_rag_rse.rse.types import DocumentRegion
 
 
 def test_layout_regions_stop_at_breaks_and_unreadable_chunks(doc_nodes):

@@ -7,8 +7,12 @@ import sys
 import numpy as np
 import pytest
 
-from llama_index.packs.self_rag_rse import RelevantSegmentPostprocessor, plot_segments
-from llama_index.packs.self_rag_rse.rse.types import DocumentRegion, Segment, SegmentExtraction
+from llama_index.packs.self_rag_rse import (
+    RelevantSegmentPostprocessor,
+    SegmentExtraction,
+    plot_segments,
+)
+from llama_index.packs.self_rag_rse.rse.types import DocumentRegion, Segment
 
 QUERY = 'The "while" statement: loop while an expression is true, else clause, break, continue'
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -19,8 +19,12 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeRelationship, NodeWithScore, RelatedNodeInfo, TextNode
 from text_strategies import SEPARATORS, WORDS, same_but_whitespace
 
-from llama_index.packs.self_rag_rse import ChunkIndexer, RelevantSegmentPostprocessor
-from llama_index.packs.self_rag_rse.rse.types import Segment, SegmentExtraction
+from llama_index.packs.self_rag_rse import (
+    ChunkIndexer,
+    RelevantSegmentPostprocessor,
+    SegmentExtraction,
+)
+from llama_index.packs.self_rag_rse.rse.types import Segment
 
 QUERY = 'The "while" statement: loop while an expression is true, else clause, break, continue'
 

@@ -15,15 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llama_index.packs.self_rag_rse import PRESETS, find_best_segments, get_preset
 from llama_index.packs.self_rag_rse.rse import segments as segments_module
-from llama_index.packs.self_rag_rse.rse.segments import find_best_segments
-from llama_index.packs.self_rag_rse.rse.values import (
-    PRESETS,
-    RSEPreset,
-    adjust_for_length,
-    chunk_value,
-    get_preset,
-)
+from llama_index.packs.self_rag_rse.rse.values import RSEPreset, adjust_for_length, chunk_value
 
 Segments = tuple[list[tuple[int, int]], list[float]]
 

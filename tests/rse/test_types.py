@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llama_index.packs.self_rag_rse.rse.types import DocumentRegion, Segment, SegmentExtraction
+from llama_index.packs.self_rag_rse import SegmentExtraction
+from llama_index.packs.self_rag_rse.rse.types import DocumentRegion, Segment
 
 
 @pytest.fixture

@@ -9,8 +9,7 @@ import pytest
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from retrievers import PARAGRAPHS, FixedRetriever, make_nodes
 
-from llama_index.packs.self_rag_rse import SelfRAGPack, SelfRAGQueryEngine
-from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
+from llama_index.packs.self_rag_rse import ReflectionCritic, SelfRAGPack, SelfRAGQueryEngine
 
 
 @pytest.fixture

@@ -16,8 +16,7 @@ from llama_index.core.base.response.schema import AsyncStreamingResponse, Stream
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from retrievers import FixedRetriever, make_nodes
 
-from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
-from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
+from llama_index.packs.self_rag_rse import ReflectionCritic, SelfRAGQueryEngine
 
 QUESTION = "What does the while statement do?"
 CARRIED = "Who wrote Hamlet?"  # a path finished at depth 1 outranks every child at depth 2

@@ -27,12 +27,15 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.prompts import PromptTemplate
 from scripted import ScriptedLLM
 
-from llama_index.packs.self_rag_rse.llamacpp.backend import LlamaCppBackend
+from llama_index.packs.self_rag_rse import (
+    BaseCritic,
+    LlamaCppBackend,
+    ParagraphJudgement,
+    PromptedCritic,
+)
 from llama_index.packs.self_rag_rse.llamacpp.context import DecodeStats
 from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
 from llama_index.packs.self_rag_rse.llamacpp.sequences import Request
-from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic, ParagraphJudgement
-from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
 from llama_index.packs.self_rag_rse.self_rag.prompts import DEFAULT_RELEVANCE_PROMPT
 
 # ================================================================================================

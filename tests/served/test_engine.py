@@ -14,9 +14,12 @@ from llama_index.llms.openai_like import OpenAILike
 from retrievers import FixedRetriever
 from served.stub import Reply, StubServer, forward
 
-from llama_index.packs.self_rag_rse import PromptedCritic, SelfRAGQueryEngine
+from llama_index.packs.self_rag_rse import (
+    PromptedCritic,
+    SelfRAGQueryEngine,
+    ServedReflectionCritic,
+)
 from llama_index.packs.self_rag_rse.evaluation.runner import ModelCallCounter
-from llama_index.packs.self_rag_rse.served import ServedReflectionCritic
 
 QUESTION = "What does the while statement do?"
 

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 from served.stub import DripServer, Reply, StubServer, forward
 
+from llama_index.packs.self_rag_rse import ServedReflectionCritic
 from llama_index.packs.self_rag_rse.served import (
     MalformedResponse,
-    ServedReflectionCritic,
     ServerHTTPError,
     ServerRedirect,
     ServerTimeout,

@@ -17,13 +17,12 @@ from llama_index.llms.openai_like import OpenAILike
 from retrievers import FixedRetriever
 from served.stub import Reply, StubServer, forward
 
-from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
-from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
-from llama_index.packs.self_rag_rse.served import (
-    ReflectionTokensUnidentifiable,
+from llama_index.packs.self_rag_rse import (
+    ReflectionCritic,
+    SelfRAGQueryEngine,
     ServedReflectionCritic,
-    ServerNotGreedy,
 )
+from llama_index.packs.self_rag_rse.served import ReflectionTokensUnidentifiable, ServerNotGreedy
 
 MAX_NEW = 30
 TOL = 1e-3

@@ -15,9 +15,11 @@ from typing import Any
 import pytest
 from retrievers import FixedRetriever
 
-from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
-from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
-from llama_index.packs.self_rag_rse.served import ServedReflectionCritic
+from llama_index.packs.self_rag_rse import (
+    ReflectionCritic,
+    SelfRAGQueryEngine,
+    ServedReflectionCritic,
+)
 
 QUESTIONS = ["What does the while statement do?", "Who wrote Hamlet?"]
 MAX_NEW = 30

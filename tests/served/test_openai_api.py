@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from served.stub import Reply, StubServer
 
+from llama_index.packs.self_rag_rse import ServedReflectionCritic
 from llama_index.packs.self_rag_rse.self_rag.reflection import (
     FULLY_SUPPORTED,
     IRRELEVANT,
@@ -25,10 +26,7 @@ from llama_index.packs.self_rag_rse.self_rag.reflection import (
     UTILITY_TOKENS,
     MissingReflectionTokens,
 )
-from llama_index.packs.self_rag_rse.served import (
-    ReflectionTokensUnidentifiable,
-    ServedReflectionCritic,
-)
+from llama_index.packs.self_rag_rse.served import ReflectionTokensUnidentifiable
 
 
 def legacy(tokens: list[str], tops: list[dict[str, float]], text: str | None = None) -> dict:

@@ -12,10 +12,9 @@ from typing import Any
 
 import pytest
 
-from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
-from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic
+from llama_index.packs.self_rag_rse import BaseCritic, ReflectionCritic, ServedReflectionCritic
 from llama_index.packs.self_rag_rse.self_rag.reflection import MissingReflectionTokens
-from llama_index.packs.self_rag_rse.served import ServedReflectionCritic, ServerNotGreedy
+from llama_index.packs.self_rag_rse.served import ServerNotGreedy
 
 QUERIES = ["What is the capital of France?", "Who wrote Hamlet?", "why is the sky blue"]
 PARAGRAPHS = [

@@ -18,13 +18,12 @@ import pytest
 from retrievers import FixedRetriever
 from served.stub import Reply, StubServer, forward
 
-from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
-from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
-from llama_index.packs.self_rag_rse.served import (
-    MalformedResponse,
+from llama_index.packs.self_rag_rse import (
+    ReflectionCritic,
+    SelfRAGQueryEngine,
     ServedReflectionCritic,
-    ServerNotGreedy,
 )
+from llama_index.packs.self_rag_rse.served import MalformedResponse, ServerNotGreedy
 
 QUESTIONS = ["What does the while statement do?", "Who wrote Hamlet?"]
 MAX_NEW = 40

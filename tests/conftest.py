@@ -79,23 +79,36 @@ def long_form_ggufs(tiny_gguf_paths: dict[str, Path]) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_gguf_paths: dict[str, Path]) -> Iterator[Any]:
     """A Llama on the tiny model whose reflection tokens are USER_DEFINED."""
-    llm = _llama(tiny_gguf_paths["user_defined"])
-    yield llm
-    llm.close()
+    yield from _held(tiny_gguf_paths["user_defined"])
 
 
 @pytest.fixture(scope="session")
 def tiny_llm_control(tiny_gguf_paths: dict[str, Path]) -> Iterator[Any]:
     """Same weights, reflection tokens typed CONTROL."""
-    llm = _llama(tiny_gguf_paths["control"])
-    yield llm
-    llm.close()
+    yield from _held(tiny_gguf_paths["control"])
 
 
 @pytest.fixture(scope="session")
 def tiny_llm_plain(tiny_gguf_paths: dict[str, Path]) -> Iterator[Any]:
     """A tiny model without any Self-RAG token."""
-    llm = _llama(tiny_gguf_paths["none"])
+    yield from _held(tiny_gguf_paths["none"])
+
+
+@pytest.fixture(scope="session")
+def talkative_llm(talkative_gguf: Path) -> Iterator[Any]:
+    """A Llama on the tiny model whose no-evidence answers have some length."""
+    yield from _held(talkative_gguf)
+
+
+@pytest.fixture(scope="session")
+def long_form_llm(long_form_ggufs: dict[str, Path]) -> Iterator[Any]:
+    """A Llama on the tiny model whose answers have several long-form segments."""
+    yield from _held(long_form_ggufs["user_defined"])
+
+
+def _held(path: Path) -> Iterator[Any]:
+    """A session fixture's body: the model, closed when the session ends."""
+    llm = _llama(path)
     yield llm
     llm.close()
 

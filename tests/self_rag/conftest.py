@@ -34,26 +34,6 @@ def open_llama() -> Iterator[Callable[..., Any]]:
         llm.close()
 
 
-@pytest.fixture(scope="session")
-def talkative_llm(talkative_gguf: Path) -> Iterator[Any]:
-    """A Llama on the tiny model whose no-evidence answers have some length."""
-    from conftest import _llama
-
-    llm = _llama(talkative_gguf)
-    yield llm
-    llm.close()
-
-
-@pytest.fixture(scope="session")
-def long_form_llm(long_form_ggufs: dict[str, Path]) -> Iterator[Any]:
-    """A Llama on the tiny model whose answers have several long-form segments."""
-    from conftest import _llama
-
-    llm = _llama(long_form_ggufs["user_defined"])
-    yield llm
-    llm.close()
-
-
 @pytest.fixture
 def make_engine(tiny_llm: Any) -> Iterator[Callable[..., SelfRAGQueryEngine]]:
     built: list[SelfRAGQueryEngine] = []

@@ -295,16 +295,20 @@ def budgeted_rse(index: Index, budgets: list[int], preset: str, extra: dict[str,
 
 
 def variant_options(variant: str, extra: dict[str, Any]) -> dict[str, Any]:
-    """The RSE options of a value-model variant: ``NAME`` (a calibration), ``NAME+best``
-    (``keep_top_hits=1``: the best hit always in) or ``NAME+topN`` (``keep_top_hits=N``);
-    ``default`` keeps the default calibration."""
-    name, _, rule = variant.partition("+")
-    top = {"": 0, "best": 1}.get(rule)
-    if top is None and rule.startswith("top") and rule[3:].isdigit():
-        top = int(rule[3:])
-    if top is None:
-        sys.exit(f"variant {variant!r}: use a calibration name, optionally with +best or +topN")
-    options = {**extra, "keep_top_hits": top}
+    """The RSE options of a value-model variant: ``NAME`` (a calibration; ``default`` keeps the
+    default one), then any of ``+best`` (``keep_top_hits=1``), ``+topN`` (``keep_top_hits=N``;
+    neither: 0) and ``+whole`` (``partial_fill=False``: only whole chunks)."""
+    name, *rules = variant.split("+")
+    options = {**extra, "keep_top_hits": 0}
+    for rule in rules:
+        if rule == "best":
+            options["keep_top_hits"] = 1
+        elif rule.startswith("top") and rule[3:].isdigit():
+            options["keep_top_hits"] = int(rule[3:])
+        elif rule == "whole":
+            options["partial_fill"] = False
+        else:
+            sys.exit(f"variant {variant!r}: use a calibration name, then +best, +topN, +whole")
     if name != "default":
         options["calibration"] = name
     return options
@@ -404,8 +408,8 @@ def main() -> None:
         nargs="+",
         default=[],
         help="more value models for the budgeted RSE rows, each a calibration name, optionally "
-        "with '+best' (keep_top_hits=1) or '+topN' (keep_top_hits=N): e.g. rank zscore "
-        "spread+best spread+top2",
+        "with '+best' (keep_top_hits=1) or '+topN' (keep_top_hits=N), and '+whole' "
+        "(partial_fill=False): e.g. rank zscore spread+best spread+top2 spread+best+whole",
     )
     parser.add_argument(
         "--threads",
@@ -416,6 +420,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--no-headings", action="store_true", help="skip the heading queries (and their index)"
+    )
+    parser.add_argument(
+        "--embed-cache",
+        type=Path,
+        default=None,
+        help="folder of chunk vectors kept between runs (by embedder and text): a run with a "
+        "full cache skips embedding the chunks and repeats the figures of the run that filled it",
     )
     parser.add_argument(
         "--ablation", action="store_true", help="also sections without headers (which helps?)"
@@ -434,7 +445,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from embedders import embedder
+    from embedders import cache_embeddings, embedder
     from llama_index.core import Document
     from llama_index.core.node_parser import SentenceSplitter
     from llama_index.core.postprocessor import PrevNextNodePostprocessor
@@ -457,6 +468,10 @@ def main() -> None:
     # so hits of equal score come back in the same order.
     torch.set_num_threads(args.threads)
     embed = embedder(args.embedder)
+    if args.embed_cache is not None:
+        # Keyed by thread count too: another count sums in another order.
+        threads = "" if args.threads == 1 else f", {args.threads} threads"
+        cache_embeddings(embed, args.embed_cache, args.embedder + threads)
 
     def splitter():
         return SentenceSplitter(chunk_size=args.chunk_size, chunk_overlap=args.overlap)

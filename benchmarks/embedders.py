@@ -77,3 +77,46 @@ def embedder(name: str, batch_size: int = 64) -> Any:
         folder = name
     # Batches of 64 embed ~1.5x faster on CPU than the default 10 (vectors equal to 1e-7).
     return HuggingFaceEmbedding(model_name=folder, embed_batch_size=batch_size)
+
+
+def cache_embeddings(embed: Any, folder: Path, name: str) -> None:
+    """Make ``embed(nodes)``, the way ingestion embeds, reuse the vectors stored in ``folder``.
+
+    A node whose embedded text ``name`` embedded before gets the stored vector; the others are
+    embedded together, as without a cache, and stored. Queries are embedded as usual. A run
+    with a full cache therefore gives the vectors of the run that filled it, bit for bit (float32
+    values stored as float32). For benchmarks only: it patches ``embed``'s class.
+    """
+    import hashlib
+
+    import numpy as np
+    from llama_index.core.schema import MetadataMode
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / (hashlib.sha256(name.encode()).hexdigest()[:16] + ".npz")
+    stored: dict[str, Any] = {}
+    if path.is_file():
+        with np.load(path) as saved:
+            stored = dict(zip(saved["keys"].tolist(), saved["vectors"], strict=True))
+    cls = type(embed)
+    real = cls.__call__
+
+    def call(self: Any, nodes: Any, **kwargs: Any) -> Any:
+        keys = [
+            hashlib.sha256(n.get_content(metadata_mode=MetadataMode.EMBED).encode()).hexdigest()
+            for n in nodes
+        ]
+        missing = [n for n, k in zip(nodes, keys, strict=True) if k not in stored]
+        if missing:
+            real(self, missing, **kwargs)
+            for n in missing:
+                key = hashlib.sha256(
+                    n.get_content(metadata_mode=MetadataMode.EMBED).encode()
+                ).hexdigest()
+                stored[key] = np.asarray(n.embedding, dtype=np.float32)
+            np.savez(path, keys=np.array(list(stored)), vectors=np.stack(list(stored.values())))
+        for n, k in zip(nodes, keys, strict=True):
+            n.embedding = stored[k].tolist()
+        return nodes
+
+    cls.__call__ = call

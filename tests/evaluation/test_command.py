@@ -230,8 +230,14 @@ def test_ctrl_c_mid_run_exits_cleanly_and_the_cache_resumes(inputs):
     qa.write_text(
         "\n".join(json.dumps({**QUESTIONS[i % 2], "question": f"Q{i}?"}) for i in range(12))
     )
+    # As from a terminal: a test runner started in the background passes SIGINT on ignored, and
+    # a Python started so never raises KeyboardInterrupt; the child restores Python's handler.
+    start = (
+        "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "runpy.run_module('llama_index.packs.self_rag_rse', run_name='__main__', alter_sys=True)"
+    )
     command = [
-        sys.executable, "-m", "llama_index.packs.self_rag_rse", "evaluate", "--docs", str(docs),
+        sys.executable, "-c", start, "evaluate", "--docs", str(docs),
         "--qa", str(qa), "--out", str(out), "--engines", "top-k", "--judge-backend", "none",
         "--max-new-tokens", "48", "--no-progress",
     ]  # fmt: skip

@@ -4,6 +4,7 @@ are those of evaluating every prompt whole (``share_prefixes=False``) to 1e-5.""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,23 @@ def decoders(tiny_llm: Any, request: pytest.FixtureRequest) -> Iterator[tuple[An
     yield shared, whole
     shared.close()
     whole.close()
+
+
+@contextmanager
+def recorded(decoder: BatchedDecoder) -> Iterator[list[list[tuple[int, int]]]]:
+    """Every ``llama_decode`` the decoder makes meanwhile, as ``(position, sequence)`` rows."""
+    native, calls = decoder._native, []
+    real = native.decode
+
+    def recording(entries: Any) -> None:
+        calls.append([(pos, seq) for _, pos, seq, _ in entries])
+        real(entries)
+
+    native.decode = recording  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        del native.decode
 
 
 def rounds(llm: Any, paragraphs: list[str] = PARAGRAPHS) -> tuple[list[Request], Any]:
@@ -169,19 +187,10 @@ def test_generating_sequences_keep_consecutive_ids(tiny_llm: Any) -> None:
         expected = [
             decoder.generate(r.tokens, [[]], max_new_tokens=r.max_new_tokens)[0] for r in asks
         ]
-        native = decoder._native
-        steps: list[list[int]] = []
-        real = native.decode
-
-        def recording(entries: Any) -> None:
-            steps.append([seq for _, _, seq, _ in entries])
-            real(entries)
-
-        native.decode = recording  # type: ignore[method-assign]
         decoder.stats.reset()
-        with decoder.conversation() as conversation:
+        with recorded(decoder) as calls, decoder.conversation() as conversation:
             got = conversation.run(asks)
-        del native.decode
+    steps = [[seq for _, seq in call] for call in calls]
     for a, b in zip(got, expected, strict=True):
         assert_same(a, b)
     assert [len(out.tokens) for out in got] == [20, 2, 20]
@@ -189,6 +198,33 @@ def test_generating_sequences_keep_consecutive_ids(tiny_llm: Any) -> None:
     generation = [ids for ids in steps if len(ids) <= 3][-3:]
     for ids in generation:
         assert sorted(ids) == list(range(min(ids), min(ids) + len(ids)))
+
+
+def test_split_cache_batches_prompt_runs_by_depth(tiny_llm: Any) -> None:
+    # Every sequence of a split-cache micro-batch attends over as many cells as the deepest
+    # one, rounded up to 256: a long run is cut at 256, and a run far shallower than another
+    # gets a decode of its own. The results are those of evaluating every prompt whole.
+    long = tokens(tiny_llm, " ".join(PARAGRAPHS) * 6, bos=True)[:400]
+    short = tokens(tiny_llm, "Question: Which city?", bos=True)
+    tail = tokens(tiny_llm, " ".join(PARAGRAPHS))[:40]
+    first = [Request(long, 1), Request(short, 1)]
+    second = [Request(long + tail, 1), Request(short + tail, 1)]
+    assert len(short) < 20 and len(tail) == 40
+    whole = BatchedDecoder(tiny_llm, n_seq_max=4, kv_unified=False, share_prefixes=False)
+    with whole, whole.conversation() as conversation:
+        expected = conversation.run(first) + conversation.run(second)
+    decoder = BatchedDecoder(tiny_llm, n_seq_max=4, kv_unified=False)
+    with decoder, recorded(decoder) as entries, decoder.conversation() as conversation:
+        got = conversation.run(first)
+        split_at = len(entries)
+        got += conversation.run(second)
+    for a, b in zip(got, expected, strict=True):
+        assert_same(a, b)
+    calls = [[pos for pos, _ in call] for call in entries]
+    assert any(max(c) == 255 for c in calls[:split_at])  # the long prompt cut at 256
+    assert all(not (min(c) < 256 <= max(c)) for c in calls[:split_at])
+    assert all(max(c) - min(c) < 100 for c in calls[split_at:])  # deep and shallow apart
+    assert len(calls) - split_at == 2
 
 
 def test_invalid_requests(tiny_llm: Any) -> None:

@@ -74,3 +74,39 @@ def test_the_converter_writes_docs_and_questions_and_checks_offsets(tmp_path: Pa
     texts = bench.load_texts(tmp_path / "out" / "docs")
     [query] = bench.load_questions(tmp_path / "out" / "questions.jsonl", texts)
     assert query.gold == [("notes.md", 4, 7), ("notes.md", 19, 23)]
+
+
+def test_variants_name_the_value_model_options() -> None:
+    bench = _script("bench_rse_quality")
+    assert bench.variant_options("spread+best", {}) == {"keep_top_hits": 1, "calibration": "spread"}
+    assert bench.variant_options("default+top3+whole", {"x": 1}) == {
+        "x": 1,
+        "keep_top_hits": 3,
+        "partial_fill": False,
+    }
+    with pytest.raises(SystemExit, match="then \\+best"):
+        bench.variant_options("spread+bogus", {})
+
+
+def test_the_embedding_cache_gives_the_stored_vectors_back(tmp_path: Path) -> None:
+    embedders = _script("embedders")
+    from llama_index.core.embeddings import MockEmbedding
+    from llama_index.core.schema import TextNode
+
+    calls: list[int] = []
+
+    def run() -> MockEmbedding:  # a fresh class per run, as a fresh process would have
+        class Counting(MockEmbedding):
+            def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+                calls.append(len(texts))
+                return [[float(len(t)), 0.5] for t in texts]
+
+        embed = Counting(embed_dim=2)
+        embedders.cache_embeddings(embed, tmp_path, "counting")
+        return embed
+
+    first = run()([TextNode(text="one"), TextNode(text="three")])
+    assert [n.embedding for n in first] == [[3.0, 0.5], [5.0, 0.5]]
+    again = run()([TextNode(text="three"), TextNode(text="fifteen")])
+    assert [n.embedding for n in again] == [[5.0, 0.5], [7.0, 0.5]]
+    assert calls == [2, 1]  # "three" came from the file the first run wrote

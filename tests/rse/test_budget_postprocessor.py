@@ -340,3 +340,72 @@ def test_keep_top_hits_must_be_a_count():
     with pytest.raises(ValueError, match="keep_top_hits"):
         rse.keep_top_hits = -2
     assert rse.keep_top_hits == 1
+
+
+def _worded_chunks(n: int, overlap: int = 0) -> tuple[str, list[TextNode]]:
+    from llama_index.core import Document
+    from llama_index.core.node_parser import SentenceSplitter
+
+    text = " ".join(f"{WORDS[i % len(WORDS)]}{i}" for i in range(n * 100))
+    nodes = SentenceSplitter(chunk_size=128, chunk_overlap=overlap).get_nodes_from_documents(
+        [Document(text=text, id_="doc")]
+    )
+    ChunkIndexer()(nodes)
+    return text, nodes
+
+
+@pytest.mark.parametrize("partial_fill", [True, False])
+def test_what_a_budget_has_left_goes_to_part_of_the_next_hit(docstore_with, partial_fill):
+    """The best hit fits whole; the next one, far from it, only in part: with partial_fill its
+    first words fill what is left (cut at a word boundary, marked), else nothing does."""
+    text, nodes = _worded_chunks(12)
+    first, second = nodes[1], nodes[8]
+    hits = [NodeWithScore(node=first, score=0.9), NodeWithScore(node=second, score=0.8)]
+    hits += [NodeWithScore(node=nodes[i], score=0.1) for i in (4, 11)]
+    budget = len(first.get_content()) + len(second.get_content()) * 2 // 3
+    rse = RelevantSegmentPostprocessor(
+        docstore=docstore_with(nodes), max_context_chars=budget, partial_fill=partial_fill
+    )
+    result = rse.postprocess_nodes(hits)
+    assert llm_chars(result) <= budget
+    assert result[0].node.get_content() == first.get_content()
+    assert "segment_partial" not in result[0].node.metadata
+    if not partial_fill:
+        assert len(result) == 1
+        return
+    assert len(result) == 2
+    piece = result[1].node
+    assert piece.metadata["segment_partial"] is True
+    assert second.get_content().startswith(piece.get_content() + " ")
+    assert len(piece.get_content()) >= budget - len(first.get_content()) - 20
+    start, end = piece.metadata["segment_char_range"]
+    assert text[start:end] == piece.get_content()
+    assert "segment_partial" not in piece.get_content(metadata_mode=MetadataMode.LLM)
+    assert_no_text_twice(result)
+
+
+def test_a_piece_shorter_than_100_characters_is_not_worth_adding(docstore_with):
+    _, nodes = _worded_chunks(12)
+    hits = [NodeWithScore(node=nodes[1], score=0.9), NodeWithScore(node=nodes[8], score=0.8)]
+    budget = len(nodes[1].get_content()) + 90
+    rse = RelevantSegmentPostprocessor(docstore=docstore_with(nodes), max_context_chars=budget)
+    assert [r.node.get_content() for r in rse.postprocess_nodes(hits)] == [nodes[1].get_content()]
+
+
+def test_a_piece_next_to_a_segment_continues_it_without_its_overlap(docstore_with):
+    text, nodes = _worded_chunks(12, overlap=16)
+    scores = {1: 0.9, 2: 0.85, 3: 0.8, 6: 0.1, 8: 0.1, 10: 0.1}
+    hits = [NodeWithScore(node=nodes[i], score=s) for i, s in scores.items()]
+    segment_chars = nodes[2].end_char_idx - nodes[1].start_char_idx
+    budget = segment_chars + 200
+    rse = RelevantSegmentPostprocessor(docstore=docstore_with(nodes), max_context_chars=budget)
+    result = rse.postprocess_nodes(hits)
+    assert llm_chars(result) <= budget
+    assert [r.node.metadata["segment_chunk_range"] for r in result] == [[1, 3], [3, 4]]
+    piece = result[1].node
+    start, end = piece.metadata["segment_char_range"]
+    assert (
+        start >= result[0].node.metadata["segment_char_range"][1]
+    )  # the overlap is not given twice
+    assert text[start:end] == piece.get_content() and end - start >= 150
+    assert_no_text_twice(result)

@@ -9,12 +9,12 @@ evaluates only what is new.
 
 Each :meth:`Conversation.run` plans its prompts against the sequences the cache holds
 (:mod:`.plan`: shared prefixes once, held prefixes not at all), evaluates the plan level by level
-in a few batched ``llama_decode`` calls, then generates for all prompts together, one token each
-per step. The held sequences are a cache: when sequence ids or cells run out, the least recently
-made ones are dropped, and what was dropped is evaluated again when a later prompt needs it.
-Results never depend on what was held, only the time does (with F32 weights and KV cache,
-shared and separate evaluation agree to ~1e-5; quantized kernels round a little differently for
-different batch shapes).
+in a few batched ``llama_decode`` calls (on a split cache, runs of about the same depth together:
+see :data:`DEPTH_RATIO`), then generates for all prompts together, one token each per step. The
+held sequences are a cache: when sequence ids or cells run out, the least recently made ones are
+dropped, and what was dropped is evaluated again when a later prompt needs it. Results never
+depend on what was held, only the time does (with F32 weights and KV cache, shared and separate
+evaluation agree to ~1e-5; quantized kernels round a little differently for other batch shapes).
 """
 
 from __future__ import annotations
@@ -57,6 +57,14 @@ logger = logging.getLogger(__name__)
 #: (llama.cpp decodes only consecutive ids in one pass) if it may still need this many steps:
 #: the move copies one stream, a gap costs one more pass over the weights per step.
 MIN_STEPS_TO_MOVE = 4
+#: With a split KV cache, every sequence of a micro-batch attends over as many cells as the
+#: deepest one holds, rounded up to :data:`KV_PADDING`: prompt runs ending this many times
+#: shallower than the deepest get a decode of their own, and a run crossing a multiple of
+#: :data:`KV_PADDING` is cut there, each only when both parts hold :data:`MIN_SPLIT_TOKENS`
+#: (a smaller pass uses the matrix kernels poorly).
+DEPTH_RATIO = 1.5
+MIN_SPLIT_TOKENS = 32
+KV_PADDING = 256
 
 
 @dataclass(frozen=True)
@@ -390,8 +398,8 @@ class Conversation:
             )
             if not live:
                 return
-            if not prefill and not native.kv_unified:
-                live = self._compact(live, group)
+            if not native.kv_unified:
+                live = _as_deep(live) if prefill else self._compact(live, group)
             entries: list[Entry] = []
             readers: list[tuple[Slot, int]] = []
             prompt_tokens = fed_tokens = 0
@@ -404,6 +412,8 @@ class Conversation:
                     # from each stream: a run's last few tokens would make one tiny pass.
                     continue
                 take = slot.feed[:room]
+                if prefill and not native.kv_unified:
+                    take = take[: _up_to_padding(slot.pos, len(take))]
                 del slot.feed[: len(take)]
                 if slot.tokens:
                     fed_tokens += len(take)
@@ -452,6 +462,20 @@ class Conversation:
             slot.seq_id = gap
             moved = True
         return sorted(live, key=lambda s: s.seq_id) if moved else live
+
+
+def _as_deep(live: list[Slot]) -> list[Slot]:
+    """The prompt runs to evaluate next on a split cache (see :data:`DEPTH_RATIO`)."""
+    deepest = max(s.pos + len(s.feed) for s in live)
+    deep = [s for s in live if (s.pos + len(s.feed)) * DEPTH_RATIO >= deepest]
+    n_deep, n_all = sum(len(s.feed) for s in deep), sum(len(s.feed) for s in live)
+    return deep if min(n_deep, n_all - n_deep) >= MIN_SPLIT_TOKENS else live
+
+
+def _up_to_padding(pos: int, n: int) -> int:
+    """How many of ``n`` prompt tokens from ``pos`` to evaluate now (see :data:`DEPTH_RATIO`)."""
+    head = KV_PADDING - pos % KV_PADDING
+    return head if min(head, n - head) >= MIN_SPLIT_TOKENS else n
 
 
 def _distinct_cells(sequences: list[list[int]]) -> int:

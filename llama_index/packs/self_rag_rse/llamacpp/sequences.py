@@ -96,11 +96,7 @@ def track_array(track_ids: Sequence[int], n_vocab: int) -> NDArray[np.intp]:
 
 
 def fit_suffixes(
-    n_ctx: int,
-    prefix_len: int,
-    suffixes: Sequence[Sequence[int]],
-    tail: list[int],
-    reserve: int,
+    n_ctx: int, prefix_len: int, suffixes: Sequence[Sequence[int]], tail: list[int], reserve: int
 ) -> tuple[list[list[int]], list[int]]:
     """Append ``tail`` to each suffix, cutting the end of suffixes that would overflow ``n_ctx``
     once ``reserve`` positions (the new tokens) are kept after them.

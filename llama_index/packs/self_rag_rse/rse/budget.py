@@ -1,29 +1,23 @@
 """Segment search under a context budget: the segments worth most that fit, then a fill.
 
 dsRAG's search stops at a chunk count (``overall_max_length``), which only approximates what a
-prompt can hold: chunks differ in length, neighbours overlap, each segment brings a header. Here
-every chunk has a *cost* (characters or tokens of the text the LLM will read) and the search
-maximises the total value of the segments whose costs sum to at most the budget, exactly: a
-knapsack over segments, solved by dynamic programming over positions and budget.
+prompt holds: chunks differ in length, neighbours overlap, each segment brings a header. Here each
+chunk has a *cost* (characters or tokens the LLM will read): chunk ``i`` costs ``first_costs[i]``
+when it begins a segment (its text plus the segment's header) and ``step_costs[i]`` when it
+follows chunk ``i - 1`` (its text minus the overlap). Numpy only, no LlamaIndex.
 
-1. :func:`find_budgeted_segments` (phase 1) picks segments worth at least ``minimum_value``
-   each, at most ``max_length`` chunks long, never touching each other inside a document, with
-   the largest total value that fits the budget.
-2. :func:`fill_budget` (phase 2) spends what is left on the best remaining chunks by value,
-   one at a time: a chunk next to a chosen segment extends it (its overlap is not paid twice;
-   never beyond ``max_length``), any other becomes a one-chunk segment. A strong isolated hit
-   that fits therefore still comes back, and filling stops only when no remaining chunk fits.
+1. :func:`find_budgeted_segments` picks segments worth at least ``minimum_value`` each, at most
+   ``max_length`` chunks, never touching inside a document, with the largest total value whose
+   cost fits: a knapsack over segments, solved exactly by dynamic programming over positions and
+   budget.
+2. :func:`fill_budget` spends what is left on the best remaining chunks, one at a time: next to
+   a segment a chunk extends it (never beyond ``max_length``), else it is a one-chunk segment.
 
 Memory: per budget cell, a float64 state for each of the last ``max_length + 1`` end positions
 (and a few working arrays) and a byte per end position that closes a candidate: at most about
 ``(C + 1) * (8 * (max_length + 6) + E)`` bytes, ``E`` the positions of value >= 0 (inside RSE:
 the hits), ``C`` the budget or, when smaller, the cost of every chunk a candidate covers (a budget
 of millions over 30 hits costs what their neighbourhood costs), plus ~100 bytes per position.
-
-Costs are additive: chunk ``i`` costs ``first_costs[i]`` when it begins a segment (its text
-plus the segment's header) and ``step_costs[i]`` when it follows chunk ``i - 1`` (its text
-minus the overlap with that chunk). Nothing here imports LlamaIndex; the only dependency is
-numpy.
 """
 
 from __future__ import annotations
@@ -155,32 +149,24 @@ def fill_budget(
 
 # -- internals -------------------------------------------------------------------------------
 def _checked(
-    values: Sequence[float] | NDArray[Any],
-    document_splits: Sequence[int] | NDArray[np.integer[Any]],
-    first_costs: Sequence[int] | NDArray[np.integer[Any]],
-    step_costs: Sequence[int] | NDArray[np.integer[Any]],
-    budget: int,
-    max_length: int,
-    minimum_value: float,
+    values: Any, splits: Any, first: Any, step: Any, budget: int, length: int, minimum: float
 ) -> tuple[FloatArray, list[int], IntArray, IntArray, int, int]:
     array = np.asarray(values, dtype=np.float64)
     # The search's own checks: finite values of sane size, splits inside and increasing.
     matrix = as_value_matrix(array[None, :] if array.ndim == 1 else array)
     row = matrix.max(axis=0) if matrix.shape[0] else np.zeros(matrix.shape[1])
-    if minimum_value != minimum_value:
+    if minimum != minimum:
         raise ValueError("minimum_value is NaN: pass a number, e.g. 0.5")
     n = row.shape[0]
-    first = _cost_array(first_costs, n, "first_costs")
-    step = _cost_array(step_costs, n, "step_costs")
-    max_length = positive_int(max_length, "max_length", "the longest segment in chunks")
+    first, step = _cost_array(first, n, "first_costs"), _cost_array(step, n, "step_costs")
+    length = positive_int(length, "max_length", "the longest segment in chunks")
     try:
         budget = operator.index(budget)
     except TypeError:
         raise ValueError(f"budget must be an integer, got {budget!r}") from None
     if not 0 <= budget <= MAX_BUDGET:
         raise ValueError(f"budget must lie in [0, {MAX_BUDGET:,}], got {budget}")
-    splits = checked_splits(document_splits, n)
-    return row, splits, first, step, budget, max_length
+    return row, checked_splits(splits, n), first, step, budget, length
 
 
 def _cost_array(costs: Sequence[int] | NDArray[np.integer[Any]], n: int, name: str) -> IntArray:
@@ -248,13 +234,9 @@ def _candidates(
 
 
 def _knapsack(
-    starts: IntArray,
-    ends: IntArray,
-    worth: FloatArray,
-    costs: IntArray,
-    budget: int,
+    starts: IntArray, ends: IntArray, worth: FloatArray, costs: IntArray, budget: int,
     document_starts: set[int],
-) -> list[int]:
+) -> list[int]:  # fmt: skip
     """Indices of the candidates in a best non-touching choice within ``budget``.
 
     ``state`` after an end position ``p`` holds, per budget ``b``, the best value of segments

@@ -1,19 +1,14 @@
 """The context budget of one RSE call: what chunks cost, the search within it, one correction.
 
-A budget caps the text the answer LLM reads: each segment's document span (the overlap between
-its chunks cut once) with its header once, then the unplaced nodes. With character offsets a
-segment's cost adds up over its chunks: chunk ``p`` costs ``first[p] = len(text) + header``
-when it begins a segment and ``step[p] = end[p] - end[p - 1]`` when it follows ``p - 1``.
-Chunks between hits not read yet have no offsets; their steps share the distance between the
-known ends around them, so a segment from one hit to another (the only kind the search forms)
-is costed exactly. Where offsets are missing or contradicted, a step is the pair's stitched
-growth, or the chunk's length: an estimate. A token limit is searched in characters, at the
-hits' own characters per token.
-
-:class:`ContextBudget` runs the search with these costs (:mod:`~.budget`), then measures the
-nodes built and corrects once where estimates were short: the least valuable segments go until
-the rest fits, and the best hits left that fit on their own come back. What it returns never
-exceeds the user's limits.
+A budget caps the text the answer LLM reads: each segment's document span (overlaps cut once)
+with its header once, then the unplaced nodes. With character offsets a segment's cost adds up
+over its chunks: chunk ``p`` costs ``first[p] = len(text) + header`` when it begins a segment and
+``step[p] = end[p] - end[p - 1]`` when it follows ``p - 1``. Chunks between hits not read yet
+share the distance between the known ends around them, so a segment from hit to hit (the only
+kind the search forms) is costed exactly; without offsets a step is the pair's stitched growth
+or the chunk's length, an estimate. A token limit is searched in characters, at the hits' own
+characters per token. :class:`ContextBudget` runs the search (:mod:`~.budget`), then measures the
+nodes built and corrects once: what it returns never exceeds the user's limits.
 """
 
 from __future__ import annotations
@@ -22,6 +17,7 @@ import itertools
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -35,7 +31,7 @@ from llama_index.packs.self_rag_rse.rse.budget import (
 from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_INDEX_KEY
 from llama_index.packs.self_rag_rse.rse.layout import DocumentLayout
 from llama_index.packs.self_rag_rse.rse.node_fields import char_span
-from llama_index.packs.self_rag_rse.rse.segment_nodes import segment_nodes
+from llama_index.packs.self_rag_rse.rse.segment_nodes import cut_node, free_text, segment_nodes
 from llama_index.packs.self_rag_rse.rse.stitching import stitch_chunks
 from llama_index.packs.self_rag_rse.rse.types import Segment, SegmentExtraction
 
@@ -43,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 #: The character estimate of a token, used when no tokenizer is given.
 CHARS_PER_TOKEN = 4
+#: The shortest piece of a hit that fills what a budget has left.
+MIN_PIECE_CHARS = 100
 
 Tokenizer = Callable[[str], Sequence[Any]]
 #: ``(characters, tokens)`` of the text the LLM reads.
@@ -69,11 +67,7 @@ class ContextBudget:
     the header sizes measured on the way (kept for every search round of the call)."""
 
     def __init__(
-        self,
-        max_chars: int | None,
-        max_tokens: int | None,
-        tokenizer: Tokenizer | None,
-        texts: Sequence[str],
+        self, max_chars: int | None, max_tokens: int | None, tokenizer: Any, texts: Sequence[str]
     ) -> None:
         self.max_chars, self.max_tokens, self.tokenizer = max_chars, max_tokens, tokenizer
         limits = [MAX_BUDGET] if max_chars is None else [max_chars]
@@ -143,17 +137,22 @@ class ContextBudget:
         )
         return fill_budget(spans, values, splits, first, step, self.chars, hits, max_length)
 
-    def fit(self, extraction: SegmentExtraction, spares: Iterable[Segment]) -> None:
+    def fit(
+        self, extraction: SegmentExtraction, spares: Iterable[Segment], partial: bool = False
+    ) -> None:
         """The one correction, on the nodes built: drop the least valuable segments until the
-        rest fits; after a drop, add the ``spares`` (the hits as one-chunk segments, best
-        first) that fit and touch no segment kept. Then the unplaced nodes follow as far as
-        the budget lets them; the rest go to ``extraction.left_out``."""
+        rest fits; after a drop, add the ``spares`` (hits as one-chunk segments, best first)
+        that fit and touch no segment kept. The unplaced nodes follow as far as they fit (the
+        rest go to ``extraction.left_out``); with ``partial``, the free part of the best spare
+        worth more than 0 (:func:`~.segment_nodes.free_text`) fills what is left."""
         kept = sorted(extraction.segments, key=lambda s: -s.value)
         costs = [self.cost(s.nodes) for s in kept]
         while kept and not self.fits(_sum(costs)):
             kept.pop()
             costs.pop()
-        for spare in spares if len(kept) < len(extraction.segments) else ():
+        dropped = len(kept) < len(extraction.segments)
+        refill, rest = itertools.tee(spares)  # made one by one, only as far as they are read
+        for spare in refill if dropped else ():
             if any(s.doc_id == spare.doc_id and s.start - 1 <= spare.start <= s.end for s in kept):
                 continue  # inside or next to a segment: its text would be given twice
             spare.nodes = list(segment_nodes(spare))
@@ -170,11 +169,28 @@ class ContextBudget:
                 costs.append(cost)
             else:
                 extraction.left_out.append(item)
-        if extraction.left_out:
-            logger.info(
-                "RSE left %d unplaced node(s) out: they do not fit the context budget",
-                len(extraction.left_out),
-            )
+        if left := len(extraction.left_out):
+            logger.info("RSE left %d unplaced node(s) out: they do not fit the budget", left)
+        for spare in (s for s in rest if s.value > 0) if partial else ():
+            if (free := free_text(spare, kept)) is not None:
+                if (piece := self._piece(spare, free, _sum(costs))) is not None:
+                    extraction.segments.append(piece)
+                return
+
+    def _piece(self, spare: Segment, free: tuple[int, int], used: Cost) -> Segment | None:
+        """The ``free`` part of ``spare``'s chunk cut to what the budget has left after ``used``,
+        when it does not fit whole and at least :data:`MIN_PIECE_CHARS` of it does."""
+        node = (spare.nodes or segment_nodes(spare))[0]
+        header = len(node.get_content(MetadataMode.LLM)) - len(node.get_content())
+        keep = self.chars - used[0] - header
+        while free[1] - free[0] > keep >= MIN_PIECE_CHARS:  # only where the budget binds
+            cut = cut_node(node, free[0], keep)
+            if cut is None or len(cut.get_content()) < MIN_PIECE_CHARS:
+                return None
+            if self.fits(_sum([used, self.cost([cut])])):
+                return replace(spare, nodes=[cut])
+            keep = int(keep * 0.9)  # a token limit counts the text some other way
+        return None
 
     def why_empty(self, head: str, hits: Sequence[BaseNode]) -> str:
         """Why nothing was returned: no hit fits the budget."""
@@ -191,13 +207,11 @@ class ContextBudget:
     ) -> tuple[np.ndarray, np.ndarray]:
         """``(first, step)`` costs in characters of every position laid out (see the module
         docstring). Positions not at hand get ``first = 0``: only hits begin a segment."""
-        firsts: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
-        steps: list[np.ndarray] = [np.zeros(0, dtype=np.int64)]
+        firsts, steps = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
         for region in laid_out.regions:
             layout = layouts[region.doc_id]
             nodes = [layout.held.get(p) for p in region.positions]
-            first = np.zeros(len(nodes), dtype=np.int64)
-            step = np.zeros(len(nodes), dtype=np.int64)
+            first, step = np.zeros((2, len(nodes)), dtype=np.int64)
             ends: list[int | None] = []
             for i, node in enumerate(nodes):
                 ends.append(None)

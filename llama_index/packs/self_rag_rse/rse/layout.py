@@ -250,9 +250,7 @@ class DocumentLayout:
 
 
 def lay_out(
-    docs: Mapping[str, Sequence[BaseNode]],
-    source: ChunkSource,
-    max_document_chunks: int,
+    docs: Mapping[str, Sequence[BaseNode]], source: ChunkSource, max_document_chunks: int
 ) -> Generator[ChunkRequest, Any, dict[str, DocumentLayout]]:
     """Place every retrieved node (``docs``: document id -> its hits, best first) in its
     document.

@@ -131,6 +131,14 @@ class SegmentOptions(BaseModel):
             "displaces the best hit."
         ),
     )
+    partial_fill: bool = Field(
+        default=True,
+        description=(
+            "Under a budget, when no remaining hit fits whole: part of the best one (at least 100 "
+            "characters, cut at a word boundary, no overlap given twice) fills what is left, "
+            "marked `segment_partial`. False: only whole chunks."
+        ),
+    )
     max_context_tokens: int | None = Field(
         default=None,
         description="The same budget in tokens, counted with `tokenizer`.",

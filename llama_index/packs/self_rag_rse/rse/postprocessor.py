@@ -193,7 +193,8 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
             holes = [hole for doc_id in docs for hole in layouts[doc_id].holes]
             extraction = SegmentExtraction(regions, segments, passthrough, holes=holes)
         if budget is not None:
-            budget.fit(extraction, self._spares(hits, values_of, layouts) if hits else iter(()))
+            spares = self._spares(hits, values_of, layouts) if hits else iter(())
+            budget.fit(extraction, spares, partial=self.partial_fill)
         return self._finish(extraction, nodes, hits, budget)
 
     def _settle(

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import itertools
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
-from llama_index.core.schema import NodeRelationship, TextNode
+from llama_index.core.schema import BaseNode, NodeRelationship, TextNode
 
 from llama_index.packs.self_rag_rse.context.segment_header import add_segment_header
 from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_INDEX_KEY
@@ -32,7 +33,8 @@ from llama_index.packs.self_rag_rse.rse.types import Segment
 #: - ``segment_node_ids``: the member chunks, in order;
 #: - ``segment_value``: the segment's value (also the node's score);
 #: - ``segment_gaps``: boundaries whose stripped whitespace was refilled (no chunk held it);
-#: - ``segment_breaks``: why the segment was cut into several nodes (empty when it was not).
+#: - ``segment_breaks``: why the segment was cut into several nodes (empty when it was not);
+#: - ``segment_partial``: only on the piece a context budget cut to fill what it had left.
 SEGMENT_METADATA_KEYS = (
     "segment_document_id",
     "segment_chunk_range",
@@ -41,6 +43,7 @@ SEGMENT_METADATA_KEYS = (
     "segment_value",
     "segment_gaps",
     "segment_breaks",
+    "segment_partial",
 )
 
 
@@ -95,11 +98,8 @@ def segment_nodes(segment: Segment) -> list[TextNode]:
             "segment_gaps": piece.gaps,
             "segment_breaks": breaks,
         }
-        # Named by what it holds, not by positions (renumbered from 0 on every call when only
-        # links order the hits): the same chunks and text, the same id; other content, another.
-        held = "\n".join([*metadata["segment_node_ids"], piece.text])
         node = TextNode(
-            id_=str(uuid.uuid5(uuid.NAMESPACE_URL, f"rse:{segment.doc_id}\n{held}")),
+            id_=_node_id(segment.doc_id, metadata["segment_node_ids"], piece.text),
             text=piece.text,
             metadata=metadata,
             excluded_llm_metadata_keys=hidden,
@@ -111,3 +111,56 @@ def segment_nodes(segment: Segment) -> list[TextNode]:
         add_segment_header(node, members[piece.first : piece.stop])
         nodes.append(node)
     return nodes
+
+
+def cut_node(node: BaseNode, start: int, keep: int) -> BaseNode | None:
+    """The part of ``node``'s text from ``start``, at most ``keep`` characters long and cut at a
+    word boundary unless it runs to the end, marked ``segment_partial``; None when empty."""
+    whole = node.get_content()
+    window = whole[start : start + keep + 1]
+    if start + keep < len(whole):
+        window = window[: max(window.rfind(" "), window.rfind("\n"), 0)]
+    text = window.strip()
+    if not text:
+        return None
+    cut = node.model_copy(deep=True)
+    cut.set_content(text)
+    meta = cut.metadata
+    cut.id_ = _node_id(meta["segment_document_id"], meta["segment_node_ids"], text)
+    meta["segment_partial"] = True
+    for hidden in (cut.excluded_llm_metadata_keys, cut.excluded_embed_metadata_keys):
+        hidden[:] = [*(k for k in hidden if k != "segment_partial"), "segment_partial"]
+    if meta.get("segment_char_range") is not None:
+        first = meta["segment_char_range"][0] + start + len(window) - len(window.lstrip())
+        meta["segment_char_range"] = [first, first + len(text)]
+        if isinstance(cut, TextNode):
+            cut.start_char_idx, cut.end_char_idx = meta["segment_char_range"]
+    return cut
+
+
+def touches(segment: Segment, kept: Sequence[Segment]) -> bool:
+    """Whether ``segment`` lies inside or next to one of ``kept`` (of its document)."""
+    return any(s.doc_id == segment.doc_id and s.start - 1 <= segment.start <= s.end for s in kept)
+
+
+def free_text(spare: Segment, kept: Sequence[Segment]) -> tuple[int, int] | None:
+    """The ``[start, end)`` of a one-chunk ``spare``'s text that no ``kept`` segment gives
+    (a neighbour's overlap cut off), or None: inside a segment, or offsets cannot tell."""
+    node = spare.members[0]
+    lo, hi, (first, _) = 0, len(node.get_content()), char_span(node)
+    for s in (s for s in kept if s.doc_id == spare.doc_id and touches(spare, [s])):
+        ranges: list[Any] = [n.metadata.get("segment_char_range") for n in s.nodes]
+        if s.start <= spare.start < s.end or first is None or None in ranges:
+            return None
+        if s.end == spare.start:
+            lo = max(lo, ranges[-1][1] - first)
+        else:
+            hi = min(hi, ranges[0][0] - first)
+    return (lo, hi) if lo < hi else None
+
+
+def _node_id(doc_id: str, member_ids: list[str], text: str) -> str:
+    # Named by what it holds, not by positions (renumbered from 0 on every call when only
+    # links order the hits): the same chunks and text, the same id; other content, another.
+    held = "\n".join([*member_ids, text])
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"rse:{doc_id}\n{held}"))

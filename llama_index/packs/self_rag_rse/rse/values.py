@@ -102,10 +102,7 @@ def get_preset(name: str) -> RSEPreset:
 
 @overload
 def chunk_value(
-    rank: float,
-    relevance: float,
-    decay_rate: float = ...,
-    irrelevant_chunk_penalty: float = ...,
+    rank: float, relevance: float, decay_rate: float = ..., irrelevant_chunk_penalty: float = ...
 ) -> float: ...
 @overload
 def chunk_value(

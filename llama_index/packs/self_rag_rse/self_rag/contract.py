@@ -55,11 +55,7 @@ class ParagraphJudgement:
     details: dict[str, Any] = field(default_factory=dict)
 
     def score(
-        self,
-        w_rel: float = 1.0,
-        w_sup: float = 1.0,
-        w_use: float = 0.5,
-        use_seqscore: bool = False,
+        self, w_rel: float = 1.0, w_sup: float = 1.0, w_use: float = 0.5, use_seqscore: bool = False
     ) -> float:
         """Self-RAG's final score: [seq] + w_rel·IsREL + w_sup·IsSUP + w_use·IsUSE.
 

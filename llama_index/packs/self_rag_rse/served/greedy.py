@@ -110,12 +110,7 @@ def greedy_options(kind: str, request_options: Mapping[str, Any]) -> dict[str, A
 
 
 def check_greedy(
-    completion: Completion,
-    *,
-    server: str,
-    url: str,
-    sent: Mapping[str, Any],
-    start: int = 0,
+    completion: Completion, *, server: str, url: str, sent: Mapping[str, Any], start: int = 0
 ) -> None:
     """Raise :class:`ServerNotGreedy` at the first position (from ``start``) whose token is not
     the most likely one the server reported there (positions left unreported are skipped).

@@ -106,13 +106,10 @@ def cache_embeddings(embed: Any, folder: Path, name: str) -> None:
             hashlib.sha256(n.get_content(metadata_mode=MetadataMode.EMBED).encode()).hexdigest()
             for n in nodes
         ]
-        missing = [n for n, k in zip(nodes, keys, strict=True) if k not in stored]
+        missing = [(n, k) for n, k in zip(nodes, keys, strict=True) if k not in stored]
         if missing:
-            real(self, missing, **kwargs)
-            for n in missing:
-                key = hashlib.sha256(
-                    n.get_content(metadata_mode=MetadataMode.EMBED).encode()
-                ).hexdigest()
+            real(self, [n for n, _ in missing], **kwargs)
+            for n, key in missing:
                 stored[key] = np.asarray(n.embedding, dtype=np.float32)
             np.savez(path, keys=np.array(list(stored)), vectors=np.stack(list(stored.values())))
         for n, k in zip(nodes, keys, strict=True):

@@ -153,7 +153,7 @@ class ContextBudget:
         dropped = len(kept) < len(extraction.segments)
         refill, rest = itertools.tee(spares)  # made one by one, only as far as they are read
         for spare in refill if dropped else ():
-            if any(s.doc_id == spare.doc_id and s.start - 1 <= spare.start <= s.end for s in kept):
+            if any(s.touches(spare) for s in kept):
                 continue  # inside or next to a segment: its text would be given twice
             spare.nodes = list(segment_nodes(spare))
             cost = self.cost(spare.nodes)

@@ -129,7 +129,8 @@ def cut_node(node: BaseNode, start: int, keep: int) -> BaseNode | None:
     cut.id_ = _node_id(meta["segment_document_id"], meta["segment_node_ids"], text)
     meta["segment_partial"] = True
     for hidden in (cut.excluded_llm_metadata_keys, cut.excluded_embed_metadata_keys):
-        hidden[:] = [*(k for k in hidden if k != "segment_partial"), "segment_partial"]
+        if "segment_partial" not in hidden:  # a header node lists only the keys it had
+            hidden.append("segment_partial")
     if meta.get("segment_char_range") is not None:
         first = meta["segment_char_range"][0] + start + len(window) - len(window.lstrip())
         meta["segment_char_range"] = [first, first + len(text)]
@@ -138,17 +139,12 @@ def cut_node(node: BaseNode, start: int, keep: int) -> BaseNode | None:
     return cut
 
 
-def touches(segment: Segment, kept: Sequence[Segment]) -> bool:
-    """Whether ``segment`` lies inside or next to one of ``kept`` (of its document)."""
-    return any(s.doc_id == segment.doc_id and s.start - 1 <= segment.start <= s.end for s in kept)
-
-
 def free_text(spare: Segment, kept: Sequence[Segment]) -> tuple[int, int] | None:
     """The ``[start, end)`` of a one-chunk ``spare``'s text that no ``kept`` segment gives
     (a neighbour's overlap cut off), or None: inside a segment, or offsets cannot tell."""
     node = spare.members[0]
     lo, hi, (first, _) = 0, len(node.get_content()), char_span(node)
-    for s in (s for s in kept if s.doc_id == spare.doc_id and touches(spare, [s])):
+    for s in (s for s in kept if s.touches(spare)):
         ranges: list[Any] = [n.metadata.get("segment_char_range") for n in s.nodes]
         if s.start <= spare.start < s.end or first is None or None in ranges:
             return None

@@ -51,6 +51,10 @@ class Segment:
     distrusted: frozenset[str] = frozenset()
     nodes: list[BaseNode] = field(default_factory=list, repr=False, compare=False)
 
+    def touches(self, other: Segment) -> bool:
+        """Whether ``other`` starts inside this segment or next to it (in the same document)."""
+        return self.doc_id == other.doc_id and self.start - 1 <= other.start <= self.end
+
 
 @dataclass(frozen=True)
 class Hole:

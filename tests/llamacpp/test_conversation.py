@@ -227,6 +227,26 @@ def test_split_cache_batches_prompt_runs_by_depth(tiny_llm: Any) -> None:
     assert len(calls) - split_at == 2
 
 
+def test_split_cache_evaluates_runs_cut_at_256_together(tiny_llm: Any) -> None:
+    # Two long prompts of the same depth: each is cut at 256, and the two cut parts fill one
+    # decode of 512 rather than one decode each (a part that fits is not skipped because the
+    # whole prompt would not).
+    words = " ".join(PARAGRAPHS) * 6
+    first = Request(tokens(tiny_llm, words, bos=True)[:400], 1)
+    second = Request(tokens(tiny_llm, "Other: " + words, bos=True)[:380], 1)
+    whole = BatchedDecoder(tiny_llm, n_seq_max=4, kv_unified=True, share_prefixes=False)
+    with whole, whole.conversation() as conversation:
+        expected = conversation.run([first, second])  # no cut, no split
+    decoder = BatchedDecoder(tiny_llm, n_seq_max=4, kv_unified=False, share_prefixes=False)
+    with decoder, recorded(decoder) as calls, decoder.conversation() as conversation:
+        got = conversation.run([first, second])
+    for a, b in zip(got, expected, strict=True):
+        assert_same(a, b)
+    head = calls[0]
+    assert len(head) == 512 and len({seq for _, seq in head}) == 2
+    assert max(pos for pos, _ in head) == 255
+
+
 def test_invalid_requests(tiny_llm: Any) -> None:
     with BatchedDecoder(tiny_llm, n_seq_max=2) as decoder, decoder.conversation() as conv:
         with pytest.raises(ValueError, match="at least one token"):

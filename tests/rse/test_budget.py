@@ -222,3 +222,57 @@ def test_a_budget_beyond_every_choice_changes_nothing_and_costs_no_memory(seed):
     # (sum of costs + 1) cells * (8 bytes * (max_length + 6) + 1 byte per end): < 2 MB;
     # a search sized to MAX_BUDGET would hold 80 MB per state.
     assert peak < 2_000_000
+
+
+def test_a_weak_one_chunk_segment_gives_its_room_to_a_piece_of_a_better_hit():
+    values = np.array([0.9, -0.2, 0.8, -0.2, 0.2])
+    first = np.array([400, 100, 500, 100, 250])
+    segments, _ = find_budgeted_segments(values, [5], first, first, 850, 5, 0.1)
+    assert segments == [(0, 1), (4, 5)]  # whole chunks: 2 does not fit beside 0
+    args = (values, [5], first, first, 850, [0, 2, 4])
+    assert fill_budget(segments, *args, max_length=5) == [(0, 1), (4, 5)]
+    # With pieces: 2's piece in 450 characters (0.8 * 450 / 500 = 0.72) beats 4 (0.2) and the
+    # piece the 200 characters left would make (0.32).
+    assert fill_budget(segments, *args, max_length=5, least_piece=100) == [(0, 1)]
+    # A piece shorter than least_piece is worth nothing: no swap for 50 characters of room.
+    few = np.array([400, 100, 500, 100, 50])
+    assert fill_budget([(0, 1), (4, 5)], values, [5], few, few, 460, [0, 2, 4], 5, 100) == [
+        (0, 1),
+        (4, 5),
+    ]
+    # When the better hit then fits whole, it goes in whole.
+    fits = np.array([400, 100, 440, 100, 250])
+    assert fill_budget([(0, 1), (4, 5)], values, [5], fits, fits, 850, [0, 2, 4], 5, 100) == [
+        (0, 1),
+        (2, 3),
+    ]
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_a_fill_with_pieces_never_exceeds_and_keeps_the_searched_segments(seed):
+    """Property: with ``least_piece``, only a one-chunk segment of a candidate ranked below the
+    piece's is ever given up; the cost stays within the budget and no chunk is taken twice."""
+    rng = np.random.default_rng(5000 + seed)
+    n = int(rng.integers(1, 30))
+    values = rng.normal(0.0, 0.5, n)
+    lengths = rng.integers(20, 400, n)
+    first, step = lengths + 30, lengths - np.minimum(lengths, rng.integers(0, 60, n))
+    splits = sorted({*map(int, rng.integers(1, n + 1, 2)), n})
+    budget = int(rng.integers(0, 3000))
+    segments, _ = find_budgeted_segments(values, splits, first, step, budget, 5, 0.4)
+    candidates = [int(p) for p in rng.permutation(n)]
+    plain = fill_budget(segments, values, splits, first, step, budget, candidates, 5)
+    runs = fill_budget(segments, values, splits, first, step, budget, candidates, 5, 100)
+    covered = [p for s, e in runs for p in range(s, e)]
+    assert len(covered) == len(set(covered))
+    assert sum(segment_cost(s, e, first, step) for s, e in runs) <= budget
+    assert all(e - s <= 5 for s, e in runs)
+    lost = [(s, e) for s, e in plain if not any(rs <= s and e <= re for rs, re in runs)]
+    assert len(lost) <= 1 and all(e - s == 1 for s, e in lost)
+    if lost:
+        piece = next(
+            p
+            for p in candidates
+            if p not in {q for s, e in plain for q in range(s, e)} and values[p] > 0
+        )
+        assert candidates.index(lost[0][0]) > candidates.index(piece)

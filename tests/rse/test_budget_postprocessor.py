@@ -409,3 +409,28 @@ def test_a_piece_next_to_a_segment_continues_it_without_its_overlap(docstore_wit
     )  # the overlap is not given twice
     assert text[start:end] == piece.get_content() and end - start >= 150
     assert_no_text_twice(result)
+
+
+def test_a_piece_of_a_better_hit_takes_the_room_of_a_weaker_whole_one(docstore_with):
+    """Top-k's advantage at a small budget: the third hit does not fit whole, a short weak hit
+    does. The search works in whole chunks and would take the weak one; a piece of the better
+    hit is worth more, so the weak hit gives it its room."""
+    _, nodes = _worded_chunks(12)
+    scores = {1: 0.9, 10: 0.85, 20: 0.8, 25: 0.3, 4: 0.1, 6: 0.1, 14: 0.1, 16: 0.1}
+    hits = [NodeWithScore(node=nodes[i], score=s) for i, s in scores.items()]
+    assert len(nodes[25].get_content()) < len(nodes[20].get_content())
+    whole = sum(len(nodes[i].get_content()) for i in (1, 10))
+    budget = whole + len(nodes[25].get_content()) + 20  # the weak hit fits, the better one not
+    for partial_fill, third in [(False, 25), (True, 20)]:
+        rse = RelevantSegmentPostprocessor(
+            docstore=docstore_with(nodes), max_context_chars=budget, partial_fill=partial_fill
+        )
+        result = rse.postprocess_nodes(hits)
+        ranges = sorted(r.node.metadata["segment_chunk_range"] for r in result)
+        assert ranges == [[1, 2], [10, 11], [third, third + 1]]
+        assert llm_chars(result) <= budget
+    piece = next(r.node for r in result if r.node.metadata["segment_chunk_range"] == [20, 21])
+    assert piece.metadata["segment_partial"] is True
+    assert nodes[20].get_content().startswith(piece.get_content())
+    assert len(piece.get_content()) >= budget - whole - 20
+    assert_no_text_twice(result)

@@ -14,11 +14,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from llama_index.packs.self_rag_rse.download import (
-    DISTRIBUTION,
-    download_llama_pack,
-    public_names,
-)
+from llama_index.packs.self_rag_rse.download import DISTRIBUTION, download_llama_pack, public_names
 from llama_index.packs.self_rag_rse.evaluation.command import add_evaluate_parser, run_evaluate
 
 PROG = "self-rag-rse"

@@ -4,13 +4,7 @@ its final text, and a stream held to its stripped answer."""
 from __future__ import annotations
 
 import logging
-from collections.abc import (
-    AsyncGenerator,
-    AsyncIterable,
-    Callable,
-    Generator,
-    Iterable,
-)
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Generator, Iterable
 
 logger = logging.getLogger(__name__)
 

@@ -34,13 +34,7 @@ from llama_index.packs.self_rag_rse.llamacpp.context import (
     Entry,
     NativeContext,
 )
-from llama_index.packs.self_rag_rse.llamacpp.plan import (
-    MIN_SHARED_TOKENS,
-    Held,
-    Plan,
-    assign,
-    plan,
-)
+from llama_index.packs.self_rag_rse.llamacpp.plan import MIN_SHARED_TOKENS, Held, Plan, assign, plan
 from llama_index.packs.self_rag_rse.llamacpp.sequences import (
     Request,
     SequenceOutput,
@@ -407,13 +401,14 @@ class Conversation:
                 room = n_batch - len(entries)
                 if room <= 0:
                     break
-                if not native.kv_unified and entries and len(slot.feed) > room:
+                n = len(slot.feed)
+                if prefill and not native.kv_unified:
+                    n = _up_to_padding(slot.pos, n)
+                if not native.kv_unified and entries and n > room:
                     # llama.cpp cuts a split-cache batch into micro-batches with as many tokens
                     # from each stream: a run's last few tokens would make one tiny pass.
                     continue
-                take = slot.feed[:room]
-                if prefill and not native.kv_unified:
-                    take = take[: _up_to_padding(slot.pos, len(take))]
+                take = slot.feed[: min(n, room)]
                 del slot.feed[: len(take)]
                 if slot.tokens:
                     fed_tokens += len(take)

@@ -36,10 +36,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from llama_index.packs.self_rag_rse.llamacpp import compat
-from llama_index.packs.self_rag_rse.llamacpp.context import (
-    DecodeStats,
-    NativeContext,
-)
+from llama_index.packs.self_rag_rse.llamacpp.context import DecodeStats, NativeContext
 from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation, ConversationSettings
 from llama_index.packs.self_rag_rse.llamacpp.plan import Held
 from llama_index.packs.self_rag_rse.llamacpp.sequences import (

@@ -1,23 +1,18 @@
 """Segment search under a context budget: the segments worth most that fit, then a fill.
 
-dsRAG's search stops at a chunk count (``overall_max_length``), which only approximates what a
-prompt holds: chunks differ in length, neighbours overlap, each segment brings a header. Here each
-chunk has a *cost* (characters or tokens the LLM will read): chunk ``i`` costs ``first_costs[i]``
-when it begins a segment (its text plus the segment's header) and ``step_costs[i]`` when it
-follows chunk ``i - 1`` (its text minus the overlap). Numpy only, no LlamaIndex.
+dsRAG stops at a chunk count, which only approximates what a prompt holds. Here chunk ``i``
+costs ``first_costs[i]`` (characters or tokens, header included) when it begins a segment and
+``step_costs[i]`` when it follows ``i - 1`` (overlap cut). Numpy only, no LlamaIndex.
 
-1. :func:`find_budgeted_segments` picks segments worth at least ``minimum_value`` each, at most
-   ``max_length`` chunks, never touching inside a document, with the largest total value whose
-   cost fits: a knapsack over segments, solved exactly by dynamic programming over positions and
-   budget.
-2. :func:`fill_budget` spends what is left on the best remaining chunks, one at a time: next to
-   a segment a chunk extends it (never beyond ``max_length``), else it is a one-chunk segment.
+1. :func:`find_budgeted_segments`: the non-touching segments (each worth ``minimum_value`` at
+   least, at most ``max_length`` chunks) of largest total value that fit, exactly: a knapsack
+   solved by dynamic programming over positions and budget.
+2. :func:`fill_budget` spends what is left on the best remaining chunks, one at a time.
 
-Memory: per budget cell, a float64 state for each of the last ``max_length + 1`` end positions
-(and a few working arrays) and a byte per end position that closes a candidate: at most about
-``(C + 1) * (8 * (max_length + 6) + E)`` bytes, ``E`` the positions of value >= 0 (inside RSE:
-the hits), ``C`` the budget or, when smaller, the cost of every chunk a candidate covers (a budget
-of millions over 30 hits costs what their neighbourhood costs), plus ~100 bytes per position.
+Memory: per budget cell a float64 state for each of the last ``max_length + 1`` end positions
+and a byte per end position closing a candidate: about ``(C + 1) * (8 * (max_length + 6) + E)``
+bytes, ``E`` the positions of value >= 0 (in RSE: the hits), ``C`` the budget or, when smaller,
+the cost of every chunk a candidate covers, plus ~100 bytes per position.
 """
 
 from __future__ import annotations
@@ -54,17 +49,13 @@ def find_budgeted_segments(
 ) -> tuple[list[tuple[int, int]], list[float]]:
     """The segments of greatest total value whose costs fit ``budget``.
 
-    ``values``: chunk values of the meta-document (:func:`~.values.chunk_value`; a 2-D array,
-    one row per query, counts each chunk at its best row); ``document_splits``: strictly
-    increasing chunk indices where a document ends; ``first_costs`` / ``step_costs``: integer
-    costs >= 0 per chunk (a segment ``[s, e)`` costs ``first_costs[s] + sum(step_costs[s+1:e])``);
-    ``max_length``: the longest segment, in chunks; ``minimum_value``: the least it is worth.
-
-    A segment lies inside one document, starts and ends on a chunk of value >= 0 (as dsRAG's),
-    and is worth its values' sum. Chosen segments never touch inside a document, so no two return
-    the same overlap text. The result has the largest total value of all such choices that fit
-    (float sums, exact up to rounding; ties prefer the cheaper). Returns ``(segments, scores)``:
-    ``(start, end)`` pairs (``end`` exclusive) in document order, and their values.
+    ``values``: chunk values (:func:`~.values.chunk_value`; a 2-D array counts each chunk at its
+    best row); ``document_splits``: increasing chunk indices where a document ends; costs: ints
+    >= 0 per chunk (``[s, e)`` costs ``first_costs[s] + sum(step_costs[s+1:e])``). A segment lies
+    inside one document, starts and ends on a chunk of value >= 0 (as dsRAG's), is worth its
+    values' sum, and touches no other inside a document (no overlap text twice). The choice is
+    the best of all that fit (float sums; ties prefer the cheaper). Returns ``(segments,
+    scores)``: ``(start, end)`` pairs in document order, and their values.
     """
     row, splits, first, step, budget, max_length = _checked(
         values, document_splits, first_costs, step_costs, budget, max_length, minimum_value
@@ -95,16 +86,14 @@ def fill_budget(
     budget: int,
     candidates: Sequence[int],
     max_length: int,
+    least_piece: int = 0,
 ) -> list[tuple[int, int]]:
     """Spend the budget ``segments`` leave on the ``candidates`` (chunk positions), best value
-    first (ties: the order given).
-
-    A candidate next to a segment joins it (paying its step cost; between two, it joins both);
-    any other starts a one-chunk segment. One that does not fit, or would make a segment longer
-    than ``max_length``, is skipped for the next (a short chunk further down still fills a small
-    remainder) and tried again when a neighbour joins. Returns every segment, old and new, merged
-    and in document order; the total cost never exceeds ``budget``.
-    """
+    first (ties: the order given). A candidate next to a segment joins it (at its step cost),
+    any other starts a one-chunk segment; one that does not fit (or makes a segment longer than
+    ``max_length``) is skipped, and tried again when a neighbour joins. ``least_piece`` > 0: a
+    piece of a chunk at least that long fills the rest (:func:`_room_for_piece`). Returns every
+    segment, merged, in document order; their cost never exceeds ``budget``."""
     row, splits, first, step, budget, max_length = _checked(
         values, document_splits, first_costs, step_costs, budget, max_length, 0.0
     )
@@ -144,6 +133,8 @@ def fill_budget(
             skipped.discard(p)
             # A neighbour skipped for its cost may fit now that it would be a step.
             retry.extend(q for q in (p - 1, p + 1) if q in skipped)
+    room = (budget - spent, least_piece, max_length)
+    _room_for_piece(taken, walls, row, first, step, positions, room)
     return _runs(taken, walls)
 
 
@@ -301,6 +292,32 @@ def _knapsack(
         start = int(starts[c])
         limit = start if start in document_starts else start - 1
     return chosen
+
+
+def _room_for_piece(
+    taken: NDArray[np.bool_], walls: NDArray[np.bool_], row: FloatArray, first: IntArray,
+    step: IntArray, candidates: list[int], room: tuple[int, int, int],
+) -> None:  # fmt: skip
+    """``room``: (budget left, least piece, longest segment). A one-chunk segment of a later
+    candidate gives its room to the first candidate left out when the piece that makes is worth
+    more than the segment and the piece left before (a piece: its share of the chunk's value);
+    that candidate goes in whole if it then fits."""
+    left, least, max_length = room
+    best = next((p for p in candidates if not taken[p] and row[p] > 0), None)
+    if best is None or not least:
+        return
+    later, size = set(candidates[candidates.index(best) + 1 :]), max(1, int(first[best]))
+    before = float(row[best]) * min(1.0, left / size) if left >= least else 0.0
+    offers = [
+        (float(row[best]) * min(1.0, (left + int(first[s])) / size) - max(0.0, float(row[s])), s)
+        for s, e in _runs(taken, walls)
+        if e - s == 1 and s in later and left + int(first[s]) >= least
+    ]
+    gain, drop = max(offers, default=(0.0, -1))
+    if drop >= 0 and gain > before:
+        taken[drop] = False
+        whole = _extra_cost(best, taken, walls, first, step) <= left + int(first[drop])
+        taken[best] = whole and _joined_length(best, taken, walls) <= max_length
 
 
 def _extra_cost(

@@ -1,14 +1,12 @@
 """The context budget of one RSE call: what chunks cost, the search within it, one correction.
 
-A budget caps the text the answer LLM reads: each segment's document span (overlaps cut once)
-with its header once, then the unplaced nodes. With character offsets a segment's cost adds up
-over its chunks: chunk ``p`` costs ``first[p] = len(text) + header`` when it begins a segment and
-``step[p] = end[p] - end[p - 1]`` when it follows ``p - 1``. Chunks between hits not read yet
-share the distance between the known ends around them, so a segment from hit to hit (the only
-kind the search forms) is costed exactly; without offsets a step is the pair's stitched growth
-or the chunk's length, an estimate. A token limit is searched in characters, at the hits' own
-characters per token. :class:`ContextBudget` runs the search (:mod:`~.budget`), then measures the
-nodes built and corrects once: what it returns never exceeds the user's limits.
+A budget caps the text the answer LLM reads: each segment's span (overlaps cut once) with its
+header, then the unplaced nodes. Chunk ``p`` costs ``first[p] = len(text) + header`` when it
+begins a segment and ``step[p] = end[p] - end[p - 1]`` after ``p - 1``; chunks not read yet share
+the distance between the known ends around them (exact from hit to hit); without offsets a step
+is the pair's stitched growth or the chunk's length, an estimate. A token limit is searched in
+characters, at the hits' characters per token. :class:`ContextBudget` runs the search, then
+measures the nodes built and corrects once: the result never exceeds the user's limits.
 """
 
 from __future__ import annotations
@@ -64,12 +62,15 @@ class ContextBudget:
     """One call's context budget: the user's limits ``max_chars`` / ``max_tokens`` (``None``:
     none of that kind; tokens counted with ``tokenizer``, :func:`count_tokens`), the characters
     the search spends (a token limit at the characters per token of the hits' ``texts``), and
-    the header sizes measured on the way (kept for every search round of the call)."""
+    the header sizes measured on the way (kept for every search round of the call); ``partial``:
+    a piece of a hit may fill what the segments leave (:data:`MIN_PIECE_CHARS` at least)."""
 
     def __init__(
-        self, max_chars: int | None, max_tokens: int | None, tokenizer: Any, texts: Sequence[str]
-    ) -> None:
+        self, max_chars: int | None, max_tokens: int | None, tokenizer: Any, texts: Sequence[str],
+        partial: bool = False,
+    ) -> None:  # fmt: skip
         self.max_chars, self.max_tokens, self.tokenizer = max_chars, max_tokens, tokenizer
+        self.partial, self.least_piece = partial, MIN_PIECE_CHARS if partial else 0
         limits = [MAX_BUDGET] if max_chars is None else [max_chars]
         if max_tokens is not None:
             counted = sum(count_tokens(t, tokenizer) for t in texts)
@@ -98,21 +99,15 @@ class ContextBudget:
             tuple(node.excluded_llm_metadata_keys),
         )
         if kind not in self._headers:
-            alone = Segment(node.ref_doc_id or "", 0, 1, 0.0, members=[node])
-            built = segment_nodes(alone)[0]
+            built = segment_nodes(Segment(node.ref_doc_id or "", 0, 1, 0.0, members=[node]))[0]
             shown = built.get_content(metadata_mode=MetadataMode.LLM)
             self._headers[kind] = len(shown) - len(built.get_content())
         return self._headers[kind]
 
     def spans(
-        self,
-        laid_out: SegmentExtraction,
-        layouts: Mapping[str, DocumentLayout],
-        hit_ids: Sequence[str],
-        max_length: int,
-        minimum_value: float,
-        keep_top_hits: int = 0,
-    ) -> list[tuple[int, int]]:
+        self, laid_out: SegmentExtraction, layouts: Mapping[str, DocumentLayout],
+        hit_ids: Sequence[str], max_length: int, minimum_value: float, keep_top_hits: int = 0,
+    ) -> list[tuple[int, int]]:  # fmt: skip
         """Segments of ``laid_out`` worth most within the budget, then the best remaining hits
         (``hit_ids``, best first: equal values fill as top-k would) that fit. The best
         ``keep_top_hits`` hits are in as far as they fit together: each one's value is raised
@@ -127,34 +122,26 @@ class ContextBudget:
                 if position in held:
                     where[held[position].node_id] = i
         hits = [where[node_id] for node_id in hit_ids if node_id in where]
-        searched = values
-        if keep_top_hits and hits:
-            kept = hits[:keep_top_hits]
-            searched = values.copy()
-            searched[kept] = np.maximum(values[kept], 0.0) + 1.0 + np.maximum(values, 0).sum()
-        spans, _ = find_budgeted_segments(
-            searched, splits, first, step, self.chars, max_length, minimum_value
-        )
-        return fill_budget(spans, values, splits, first, step, self.chars, hits, max_length)
+        searched, kept = values.copy(), hits[:keep_top_hits]
+        searched[kept] = np.maximum(values[kept], 0.0) + 1.0 + np.maximum(values, 0).sum()
+        costs = (first, step, self.chars, max_length)
+        spans, _ = find_budgeted_segments(searched, splits, *costs, minimum_value)
+        return fill_budget(spans, values, splits, *costs[:3], hits, max_length, self.least_piece)
 
-    def fit(
-        self, extraction: SegmentExtraction, spares: Iterable[Segment], partial: bool = False
-    ) -> None:
+    def fit(self, extraction: SegmentExtraction, spares: Iterable[Segment]) -> None:
         """The one correction, on the nodes built: drop the least valuable segments until the
         rest fits; after a drop, add the ``spares`` (hits as one-chunk segments, best first)
         that fit and touch no segment kept. The unplaced nodes follow as far as they fit (the
-        rest go to ``extraction.left_out``); with ``partial``, the free part of the best spare
+        rest go to ``extraction.left_out``); with :attr:`partial`, the free part of the best spare
         worth more than 0 (:func:`~.segment_nodes.free_text`) fills what is left."""
         kept = sorted(extraction.segments, key=lambda s: -s.value)
         costs = [self.cost(s.nodes) for s in kept]
         while kept and not self.fits(_sum(costs)):
-            kept.pop()
-            costs.pop()
+            del kept[-1], costs[-1]
         dropped = len(kept) < len(extraction.segments)
         refill, rest = itertools.tee(spares)  # made one by one, only as far as they are read
-        for spare in refill if dropped else ():
-            if any(s.touches(spare) for s in kept):
-                continue  # inside or next to a segment: its text would be given twice
+        # Not inside or next to a segment kept: its text would be given twice.
+        for spare in (s for s in refill if not any(k.touches(s) for k in kept)) if dropped else ():
             spare.nodes = list(segment_nodes(spare))
             cost = self.cost(spare.nodes)
             if self.fits(_sum([*costs, cost])):
@@ -171,15 +158,14 @@ class ContextBudget:
                 extraction.left_out.append(item)
         if left := len(extraction.left_out):
             logger.info("RSE left %d unplaced node(s) out: they do not fit the budget", left)
-        for spare in (s for s in rest if s.value > 0) if partial else ():
+        for spare in (s for s in rest if s.value > 0) if self.partial else ():
             if (free := free_text(spare, kept)) is not None:
                 if (piece := self._piece(spare, free, _sum(costs))) is not None:
                     extraction.segments.append(piece)
                 return
 
     def _piece(self, spare: Segment, free: tuple[int, int], used: Cost) -> Segment | None:
-        """The ``free`` part of ``spare``'s chunk cut to what the budget has left after ``used``,
-        when it does not fit whole and at least :data:`MIN_PIECE_CHARS` of it does."""
+        """``spare``'s ``free`` part cut to the budget left after ``used``, if it needs cutting."""
         node = (spare.nodes or segment_nodes(spare))[0]
         header = len(node.get_content(MetadataMode.LLM)) - len(node.get_content())
         keep = self.chars - used[0] - header

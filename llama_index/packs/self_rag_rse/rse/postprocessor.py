@@ -171,9 +171,8 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
         budget = None
         if self.budgeted:
             texts = [h.node.get_content() for h in hits]
-            budget = ContextBudget(
-                self.max_context_chars, self.max_context_tokens, self.tokenizer, texts
-            )
+            limits = (self.max_context_chars, self.max_context_tokens, self.tokenizer)
+            budget = ContextBudget(*limits, texts, self.partial_fill)
         extraction = SegmentExtraction([], [], passthrough)
         if hits:
             docs = self._select_documents(hits)
@@ -194,7 +193,7 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
             extraction = SegmentExtraction(regions, segments, passthrough, holes=holes)
         if budget is not None:
             spares = self._spares(hits, values_of, layouts) if hits else iter(())
-            budget.fit(extraction, spares, partial=self.partial_fill)
+            budget.fit(extraction, spares)
         return self._finish(extraction, nodes, hits, budget)
 
     def _settle(

@@ -22,11 +22,7 @@ from typing import Any
 from llama_index.packs.self_rag_rse.self_rag.reflection import SELF_RAG_SPECIAL_TOKENS
 from llama_index.packs.self_rag_rse.served.apis import Layout, Refetched, ServerInfo
 from llama_index.packs.self_rag_rse.served.greedy import LLAMA_CPP, greedy_options
-from llama_index.packs.self_rag_rse.served.http import (
-    JSONClient,
-    MalformedResponse,
-    ServerError,
-)
+from llama_index.packs.self_rag_rse.served.http import JSONClient, MalformedResponse, ServerError
 from llama_index.packs.self_rag_rse.served.wire import (
     Completion,
     MalformedBody,

@@ -63,11 +63,7 @@ from llama_index.packs.self_rag_rse.served.answers import (
     token_api,
     write_segment,
 )
-from llama_index.packs.self_rag_rse.served.apis import (
-    CompletionAPI,
-    Layout,
-    ServerInfo,
-)
+from llama_index.packs.self_rag_rse.served.apis import CompletionAPI, Layout, ServerInfo
 from llama_index.packs.self_rag_rse.served.endpoint import endpoint_of, split_url
 from llama_index.packs.self_rag_rse.served.followups import Followups
 from llama_index.packs.self_rag_rse.served.greedy import check_greedy

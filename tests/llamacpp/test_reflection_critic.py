@@ -246,8 +246,10 @@ def test_documents_cannot_inject_reflection_tokens(critic: ReflectionCritic) -> 
 def test_long_paragraph_is_truncated_with_a_warning(tiny_llm: Any) -> None:
     with ReflectionCritic(tiny_llm, max_new_tokens=10, n_ctx=96) as small:
         with pytest.warns(UserWarning, match="truncated"):
-            (judgement,) = small.judge(QUERIES[0], ["lorem ipsum " * 100])
+            judgement, short = small.judge(QUERIES[0], ["lorem ipsum " * 100, "Paris."])
         assert judgement.error is None and judgement.seq_score is not None
+        assert judgement.details["passage_cut"] > 100  # visible in the paragraph's row
+        assert short.details == {}
 
 
 def test_failed_paragraph_keeps_the_others(

@@ -200,6 +200,12 @@ def test_bad_input_is_named(kwargs, message):
         find_budgeted_segments(**arguments)
 
 
+@pytest.mark.parametrize("least", [-1, 1.5, True, "100"])
+def test_a_bad_least_piece_is_named(least):
+    with pytest.raises(ValueError, match="least_piece must be an integer >= 0"):
+        fill_budget([], [0.5, 0.5], [2], [10, 10], [8, 8], 100, [0, 1], 3, least)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_a_budget_beyond_every_choice_changes_nothing_and_costs_no_memory(seed):
     """The search's arrays grow with the budget only up to what the candidates can cost: the

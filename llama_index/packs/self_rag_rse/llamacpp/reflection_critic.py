@@ -183,6 +183,8 @@ class ReflectionCritic(BaseCritic):
                     support=scores.support,
                     utility=scores.utility,
                     seq_score=scores.seq_score,
+                    # The paragraph's tokens left out to fit n_ctx, shown in its row.
+                    details={"passage_cut": out.truncated} if out.truncated else {},
                 )
             )
         return judgements

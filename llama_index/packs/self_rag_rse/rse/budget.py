@@ -106,6 +106,8 @@ def fill_budget(
     spent = sum(int(first[s]) + int(step[s + 1 : e].sum()) for s, e in _runs(taken, walls))
     if spent > budget:
         raise ValueError(f"the segments given cost {spent}, more than the budget {budget}")
+    if not isinstance(least_piece, int) or isinstance(least_piece, bool) or least_piece < 0:
+        raise ValueError(f"least_piece must be an integer >= 0 (0: no pieces), got {least_piece!r}")
     positions = [int(p) for p in candidates]
     if any(not 0 <= p < n for p in positions):
         raise ValueError(f"candidate positions {positions} must lie inside the {n} chunks")
@@ -299,9 +301,8 @@ def _room_for_piece(
     step: IntArray, candidates: list[int], room: tuple[int, int, int],
 ) -> None:  # fmt: skip
     """``room``: (budget left, least piece, longest segment). A one-chunk segment of a later
-    candidate gives its room to the first candidate left out when the piece that makes is worth
-    more than the segment and the piece left before (a piece: its share of the chunk's value);
-    that candidate goes in whole if it then fits."""
+    candidate gives its room to the first one left out if the piece made is worth more than it
+    and the piece left before (a piece: its share of the chunk's value), or its whole if it fits."""
     left, least, max_length = room
     best = next((p for p in candidates if not taken[p] and row[p] > 0), None)
     if best is None or not least:

@@ -297,7 +297,8 @@ def budgeted_rse(index: Index, budgets: list[int], preset: str, extra: dict[str,
 def variant_options(variant: str, extra: dict[str, Any]) -> dict[str, Any]:
     """The RSE options of a value-model variant: ``NAME`` (a calibration; ``default`` keeps the
     default one), then any of ``+best`` (``keep_top_hits=1``), ``+topN`` (``keep_top_hits=N``;
-    neither: 0) and ``+whole`` (``partial_fill=False``: only whole chunks)."""
+    neither: 0), ``+whole`` (``partial_fill=False``: only whole chunks) and ``+bare``
+    (``segment_headers=False``: segments without their headers)."""
     name, *rules = variant.split("+")
     options = {**extra, "keep_top_hits": 0}
     for rule in rules:
@@ -307,8 +308,12 @@ def variant_options(variant: str, extra: dict[str, Any]) -> dict[str, Any]:
             options["keep_top_hits"] = int(rule[3:])
         elif rule == "whole":
             options["partial_fill"] = False
+        elif rule == "bare":
+            options["segment_headers"] = False
         else:
-            sys.exit(f"variant {variant!r}: use a calibration name, then +best, +topN, +whole")
+            sys.exit(
+                f"variant {variant!r}: use a calibration name, then +best, +topN, +whole, +bare"
+            )
     if name != "default":
         options["calibration"] = name
     return options
@@ -409,7 +414,8 @@ def main() -> None:
         default=[],
         help="more value models for the budgeted RSE rows, each a calibration name, optionally "
         "with '+best' (keep_top_hits=1) or '+topN' (keep_top_hits=N), and '+whole' "
-        "(partial_fill=False): e.g. rank zscore spread+best spread+top2 spread+best+whole",
+        "(partial_fill=False) or '+bare' (segment_headers=False): e.g. rank zscore spread+best "
+        "spread+top2 spread+best+whole default+best+bare",
     )
     parser.add_argument(
         "--threads",

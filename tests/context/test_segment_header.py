@@ -25,7 +25,9 @@ MORE = (
 )
 
 
-def _segments(markdown: str, hit_words: tuple[str, ...]) -> tuple[list[Any], dict[str, Any], str]:
+def _segments(
+    markdown: str, hit_words: tuple[str, ...], **options: Any
+) -> tuple[list[Any], dict[str, Any], str]:
     markdown = markdown.replace("It swallows the catch whole.", MORE)
     doc = Document(text=markdown, id_="herons")
     splitter = SentenceSplitter(chunk_size=50, chunk_overlap=0)
@@ -33,7 +35,7 @@ def _segments(markdown: str, hit_words: tuple[str, ...]) -> tuple[list[Any], dic
     docstore = SimpleDocumentStore()
     docstore.add_documents(chunks)
     hits = [NodeWithScore(node=c, score=0.9) for c in chunks if any(w in c.text for w in hit_words)]
-    rse = RelevantSegmentPostprocessor(docstore=docstore, irrelevant_chunk_penalty=0.0)
+    rse = RelevantSegmentPostprocessor(docstore=docstore, irrelevant_chunk_penalty=0.0, **options)
     return rse.postprocess_nodes(hits), {c.node_id: c for c in chunks}, markdown
 
 
@@ -47,6 +49,25 @@ def test_a_segment_starts_with_its_header_once(markdown: str) -> None:
     assert len(node.metadata["segment_node_ids"]) >= 2
     start, end = node.metadata["segment_char_range"]
     assert node.get_content(MetadataMode.NONE) == text[start:end]  # the span, untouched
+
+
+def test_segment_headers_false_shows_the_text_only_and_a_budget_pays_no_header(
+    markdown: str,
+) -> None:
+    words = ("grey heron", "half a kilo")
+    (shown,), _, _ = _segments(markdown, words)
+    (bare,), _, text = _segments(markdown, words, segment_headers=False)
+    start, end = bare.node.metadata["segment_char_range"]
+    assert bare.node.get_content(MetadataMode.LLM) == text[start:end]
+    assert "segment_header" not in bare.node.metadata
+    assert shown.node.metadata["segment_char_range"] == [start, end]
+    # A budget of exactly the text holds the bare segment whole; with its header it cannot.
+    budget = {"max_context_chars": end - start}
+    (fits,), _, _ = _segments(markdown, words, segment_headers=False, **budget)
+    assert fits.node.metadata["segment_char_range"] == [start, end]
+    with_header, _, _ = _segments(markdown, words, **budget)
+    assert all(len(r.node.get_content(MetadataMode.LLM)) <= end - start for r in with_header)
+    assert [r.node.metadata["segment_char_range"] for r in with_header] != [[start, end]]
 
 
 def test_a_segment_across_sections_names_them_all(markdown: str) -> None:

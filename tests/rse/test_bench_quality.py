@@ -79,10 +79,11 @@ def test_the_converter_writes_docs_and_questions_and_checks_offsets(tmp_path: Pa
 def test_variants_name_the_value_model_options() -> None:
     bench = _script("bench_rse_quality")
     assert bench.variant_options("spread+best", {}) == {"keep_top_hits": 1, "calibration": "spread"}
-    assert bench.variant_options("default+top3+whole", {"x": 1}) == {
+    assert bench.variant_options("default+top3+whole+bare", {"x": 1}) == {
         "x": 1,
         "keep_top_hits": 3,
         "partial_fill": False,
+        "segment_headers": False,
     }
     with pytest.raises(SystemExit, match="then \\+best"):
         bench.variant_options("spread+bogus", {})

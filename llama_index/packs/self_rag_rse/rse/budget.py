@@ -175,13 +175,9 @@ def _cost_array(costs: Sequence[int] | NDArray[np.integer[Any]], n: int, name: s
 
 
 def _candidates(
-    row: FloatArray,
-    splits: list[int],
-    first: IntArray,
-    step: IntArray,
-    budget: int,
+    row: FloatArray, splits: list[int], first: IntArray, step: IntArray, budget: int,
     max_length: int,
-) -> tuple[IntArray, IntArray, FloatArray, IntArray]:
+) -> tuple[IntArray, IntArray, FloatArray, IntArray]:  # fmt: skip
     """Every segment that could be in a best choice: inside one document, both ends >= 0,
     within the budget, and worth more than every shorter segment from the same start (a longer
     one worth no more covers more chunks for no less cost, so it is never needed)."""

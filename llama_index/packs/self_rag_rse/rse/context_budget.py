@@ -11,6 +11,7 @@ measures the nodes built and corrects once: the result never exceeds the user's 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -63,14 +64,16 @@ class ContextBudget:
     none of that kind; tokens counted with ``tokenizer``, :func:`count_tokens`), the characters
     the search spends (a token limit at the characters per token of the hits' ``texts``), and
     the header sizes measured on the way (kept for every search round of the call); ``partial``:
-    a piece of a hit may fill what the segments leave (:data:`MIN_PIECE_CHARS` at least)."""
+    a piece of a hit may fill what the segments leave (:data:`MIN_PIECE_CHARS` at least);
+    ``headers``: segments show their headers (:func:`~.segment_nodes.segment_nodes`)."""
 
     def __init__(
         self, max_chars: int | None, max_tokens: int | None, tokenizer: Any, texts: Sequence[str],
-        partial: bool = False,
+        partial: bool = False, headers: bool = True,
     ) -> None:  # fmt: skip
         self.max_chars, self.max_tokens, self.tokenizer = max_chars, max_tokens, tokenizer
         self.partial, self.least_piece = partial, MIN_PIECE_CHARS if partial else 0
+        self.build = functools.partial(segment_nodes, headers=headers)
         limits = [MAX_BUDGET] if max_chars is None else [max_chars]
         if max_tokens is not None:
             counted = sum(count_tokens(t, tokenizer) for t in texts)
@@ -99,7 +102,7 @@ class ContextBudget:
             tuple(node.excluded_llm_metadata_keys),
         )
         if kind not in self._headers:
-            built = segment_nodes(Segment(node.ref_doc_id or "", 0, 1, 0.0, members=[node]))[0]
+            built = self.build(Segment(node.ref_doc_id or "", 0, 1, 0.0, members=[node]))[0]
             shown = built.get_content(metadata_mode=MetadataMode.LLM)
             self._headers[kind] = len(shown) - len(built.get_content())
         return self._headers[kind]
@@ -142,7 +145,7 @@ class ContextBudget:
         refill, rest = itertools.tee(spares)  # made one by one, only as far as they are read
         # Not inside or next to a segment kept: its text would be given twice.
         for spare in (s for s in refill if not any(k.touches(s) for k in kept)) if dropped else ():
-            spare.nodes = list(segment_nodes(spare))
+            spare.nodes = list(self.build(spare))
             cost = self.cost(spare.nodes)
             if self.fits(_sum([*costs, cost])):
                 kept.append(spare)
@@ -166,7 +169,7 @@ class ContextBudget:
 
     def _piece(self, spare: Segment, free: tuple[int, int], used: Cost) -> Segment | None:
         """``spare``'s ``free`` part cut to the budget left after ``used``, if it needs cutting."""
-        node = (spare.nodes or segment_nodes(spare))[0]
+        node = (spare.nodes or self.build(spare))[0]
         header = len(node.get_content(MetadataMode.LLM)) - len(node.get_content())
         keep = self.chars - used[0] - header
         while free[1] - free[0] > keep >= MIN_PIECE_CHARS:  # only where the budget binds

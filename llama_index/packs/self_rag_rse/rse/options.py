@@ -143,6 +143,14 @@ class SegmentOptions(BaseModel):
         default=None,
         description="The same budget in tokens, counted with `tokenizer`.",
     )
+    segment_headers: bool = Field(
+        default=True,
+        description=(
+            "Show each segment's header (its document and sections, from ContextualHeaders) "
+            "before its text, counted in a budget. False: the text only, every character of a "
+            "budget for evidence (the headers still served retrieval, embedded with the chunks)."
+        ),
+    )
     tokenizer: Any = Field(
         default=None,
         exclude=True,

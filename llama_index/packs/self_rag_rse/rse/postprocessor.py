@@ -172,7 +172,7 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
         if self.budgeted:
             texts = [h.node.get_content() for h in hits]
             limits = (self.max_context_chars, self.max_context_tokens, self.tokenizer)
-            budget = ContextBudget(*limits, texts, self.partial_fill)
+            budget = ContextBudget(*limits, texts, self.partial_fill, self.segment_headers)
         extraction = SegmentExtraction([], [], passthrough)
         if hits:
             docs = self._select_documents(hits)
@@ -229,7 +229,7 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
                 break
         for segment in segments:
             layouts[segment.doc_id].fill(segment)
-            segment.nodes = list(segment_nodes(segment))
+            segment.nodes = list(segment_nodes(segment, self.segment_headers))
         return segments, regions
 
     # -- steps --------------------------------------------------------------------------------

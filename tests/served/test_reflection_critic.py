@@ -188,3 +188,23 @@ def test_a_group_that_cannot_be_isolated_falls_back_to_the_whole_vocabulary(
         assert_same(judgements, local.judge(QUERIES[1], PARAGRAPHS[:3]))
     # Per paragraph: the group request, then the whole-vocabulary one.
     assert all(j.details["followup_requests"] >= 2 for j in judgements)
+
+
+def test_a_paragraph_cut_to_fit_the_slot_is_shown_in_its_row(
+    tiny_llm: Any, llama_server: Any
+) -> None:
+    # As in process: the paragraph is shortened from its end, with a warning, and its row says
+    # by how many tokens; a paragraph that fits has no such entry.
+    paragraphs = ["lorem ipsum " * 60, PARAGRAPHS[0]]
+    url = llama_server("user_defined").url
+    with (
+        ServedReflectionCritic(url, max_new_tokens=MAX_NEW, timeout=30, n_ctx=120) as served,
+        ReflectionCritic(tiny_llm, max_new_tokens=MAX_NEW, n_ctx=120) as local,
+        pytest.warns(UserWarning, match="truncated"),
+    ):
+        cut, whole = served.judge(QUERIES[0], paragraphs)
+        expected = local.judge(QUERIES[0], paragraphs)
+    assert cut.error is None and cut.details["passage_cut"] > 50
+    assert cut.details["passage_cut"] == expected[0].details["passage_cut"]
+    assert "passage_cut" not in whole.details
+    assert_same([cut, whole], expected)

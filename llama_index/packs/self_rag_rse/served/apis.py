@@ -47,12 +47,14 @@ class ServerInfo:
 class Layout:
     """Where Self-RAG strings go around user text: ``prompt + after_prompt``, then per
     paragraph ``paragraph + after_paragraph`` (one prompt each; none: one prompt in all).
-    ``reserve`` positions are kept free for the answer when a paragraph must be shortened."""
+    ``reserve`` positions are kept free for the answer when a paragraph must be shortened;
+    ``cuts``: the tokens each paragraph lost that way (set by the API that shortened it)."""
 
     after_prompt: Sequence[str] = ()
     paragraphs: Sequence[str] = ()
     after_paragraph: Sequence[str] = ()
     reserve: int = 0
+    cuts: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -145,7 +145,7 @@ class LlamaCppAPI:
                 f"the prompt ({len(prefix)} tokens) and {layout.reserve} new tokens exceed the "
                 f"server's n_ctx={info.n_ctx} per slot: shorten the query or raise the server's -c"
             )
-        truncated = [max(0, len(body) - budget) for body in bodies]
+        truncated = layout.cuts[:] = [max(0, len(body) - budget) for body in bodies]
         feeds = [
             body[: len(body) - cut] + after_paragraph
             for body, cut in zip(bodies, truncated, strict=True)

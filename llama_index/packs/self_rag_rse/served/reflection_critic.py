@@ -340,7 +340,13 @@ class ServedReflectionCritic(BaseCritic):
         results = await asyncio.gather(
             *(self._judge_one(backend, info, p) for p in prompts), return_exceptions=True
         )
-        return each_or_error(results, lambda i, e: ParagraphJudgement("", 0.0, 0.0, 0.0, error=e))
+        judgements = each_or_error(
+            results, lambda i, e: ParagraphJudgement("", 0.0, 0.0, 0.0, error=e)
+        )
+        for judgement, cut in zip(judgements, layout.cuts, strict=False):
+            if cut:  # the paragraph's tokens left out to fit n_ctx, shown in its row
+                judgement.details["passage_cut"] = cut
+        return judgements
 
     @dispatcher.span
     async def agenerate(self, query: str) -> str:

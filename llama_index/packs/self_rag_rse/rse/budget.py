@@ -135,8 +135,9 @@ def fill_budget(
             skipped.discard(p)
             # A neighbour skipped for its cost may fit now that it would be a step.
             retry.extend(q for q in (p - 1, p + 1) if q in skipped)
-    room = (budget - spent, least_piece, max_length)
-    _room_for_piece(taken, walls, row, first, step, positions, room)
+    _room_for_piece(
+        taken, walls, row, first, step, positions, budget - spent, least_piece, max_length
+    )
     return _runs(taken, walls)
 
 
@@ -294,12 +295,12 @@ def _knapsack(
 
 def _room_for_piece(
     taken: NDArray[np.bool_], walls: NDArray[np.bool_], row: FloatArray, first: IntArray,
-    step: IntArray, candidates: list[int], room: tuple[int, int, int],
+    step: IntArray, candidates: list[int], left: int, least: int, max_length: int,
 ) -> None:  # fmt: skip
-    """``room``: (budget left, least piece, longest segment). A one-chunk segment of a later
-    candidate gives its room to the first one left out if the piece made is worth more than it
-    and the piece left before (a piece: its share of the chunk's value), or its whole if it fits."""
-    left, least, max_length = room
+    """With ``left`` of the budget unspent: a one-chunk segment of a later candidate gives its
+    room to the first one left out if the piece (at least ``least`` long) made is worth more than
+    it and the piece ``left`` makes (a piece: its share of the chunk's value), or its whole if it
+    fits."""
     best = next((p for p in candidates if not taken[p] and row[p] > 0), None)
     if best is None or not least:
         return

@@ -170,8 +170,7 @@ class ContextBudget:
     def _piece(self, spare: Segment, free: tuple[int, int], used: Cost) -> Segment | None:
         """``spare``'s ``free`` part cut to the budget left after ``used``, if it needs cutting."""
         node = (spare.nodes or self.build(spare))[0]
-        header = len(node.get_content(MetadataMode.LLM)) - len(node.get_content())
-        keep = self.chars - used[0] - header
+        keep = self.chars - used[0] - self.header(spare.members[0])
         while free[1] - free[0] > keep >= MIN_PIECE_CHARS:  # only where the budget binds
             cut = cut_node(node, free[0], keep)
             if cut is None or len(cut.get_content()) < MIN_PIECE_CHARS:

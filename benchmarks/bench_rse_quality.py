@@ -39,7 +39,8 @@ A question set may give several gold excerpts per question (``"evidence"`` a lis
 ``"evidence_starts"``): Chroma's chunking evaluation, converted by
 convert_chunking_evaluation.py (its data is not shipped; that script says how to get it).
 ``--variants`` adds budgeted RSE rows for other value models in the same run (a calibration
-name, ``+best`` or ``+topN`` for ``keep_top_hits``), e.g. ``--variants rank zscore spread+best``.
+name, ``+best`` or ``+topN`` for ``keep_top_hits``, ``+minX`` for ``minimum_value``), e.g.
+``--variants rank zscore spread+best default+best+min0``.
 
 The figures are the same on every run of the same inputs: chunk ids are stable
 (``ChunkIndexer(stable_ids=True)``), so Qdrant returns hits of equal score in the same order,
@@ -297,8 +298,9 @@ def budgeted_rse(index: Index, budgets: list[int], preset: str, extra: dict[str,
 def variant_options(variant: str, extra: dict[str, Any]) -> dict[str, Any]:
     """The RSE options of a value-model variant: ``NAME`` (a calibration; ``default`` keeps the
     default one), then any of ``+best`` (``keep_top_hits=1``), ``+topN`` (``keep_top_hits=N``;
-    neither: 0), ``+whole`` (``partial_fill=False``: only whole chunks) and ``+bare``
-    (``segment_headers=False``: segments without their headers)."""
+    neither: 0), ``+whole`` (``partial_fill=False``: only whole chunks), ``+bare``
+    (``segment_headers=False``: segments without their headers) and ``+minX``
+    (``minimum_value=X``)."""
     name, *rules = variant.split("+")
     options = {**extra, "keep_top_hits": 0}
     for rule in rules:
@@ -310,9 +312,12 @@ def variant_options(variant: str, extra: dict[str, Any]) -> dict[str, Any]:
             options["partial_fill"] = False
         elif rule == "bare":
             options["segment_headers"] = False
+        elif rule.startswith("min") and rule[3:].replace(".", "", 1).isdigit():
+            options["minimum_value"] = float(rule[3:])
         else:
             sys.exit(
-                f"variant {variant!r}: use a calibration name, then +best, +topN, +whole, +bare"
+                f"variant {variant!r}: use a calibration name, "
+                "then +best, +topN, +whole, +bare, +minX"
             )
     if name != "default":
         options["calibration"] = name

@@ -85,8 +85,14 @@ def test_variants_name_the_value_model_options() -> None:
         "partial_fill": False,
         "segment_headers": False,
     }
+    assert bench.variant_options("default+best+min0.25", {}) == {
+        "keep_top_hits": 1,
+        "minimum_value": 0.25,
+    }
     with pytest.raises(SystemExit, match="then \\+best"):
         bench.variant_options("spread+bogus", {})
+    with pytest.raises(SystemExit, match="minX"):
+        bench.variant_options("default+min", {})
 
 
 def test_the_embedding_cache_gives_the_stored_vectors_back(tmp_path: Path) -> None:

@@ -332,6 +332,27 @@ def test_keep_top_hits_never_trades_the_best_hit_for_a_run_of_neighbours(doc_nod
     assert llm_chars(kept) <= 400
 
 
+def test_under_a_budget_a_pair_of_weaker_hits_does_not_displace_the_next_hit(
+    doc_nodes, docstore_with
+):
+    """Hit 2 (150 characters, worth 0.55) against hits 3 and 4, adjacent, worth 0.66
+    together: with minimum_value 0.5 the search may take the pair, and hit 2 is lost. Under a
+    budget the default minimum is 1.0: the pair is left to the fill, which goes in rank order."""
+    best, second = doc_nodes("a", 1, text_len=100), doc_nodes("b", 1, text_len=150)
+    pair = doc_nodes("c", 2, text_len=100)
+    hits = [NodeWithScore(node=best[0], score=0.9), NodeWithScore(node=second[0], score=0.61)]
+    hits += [NodeWithScore(node=node, score=0.6) for node in pair]
+    options = {"docstore": docstore_with(best + second + pair), "max_context_chars": 300}
+    options["calibration"] = "raw"
+    dsrag = RelevantSegmentPostprocessor(minimum_value=0.5, **options).postprocess_nodes(hits)
+    default = RelevantSegmentPostprocessor(**options).postprocess_nodes(hits)
+    assert sorted(n.node.metadata["segment_document_id"] for n in dsrag) == ["a", "c"]
+    assert sorted(n.node.metadata["segment_document_id"] for n in default) == ["a", "b"]
+    assert llm_chars(dsrag) <= 300 and llm_chars(default) <= 300
+    assert RelevantSegmentPostprocessor(max_context_chars=300)._param("minimum_value") == 1.0
+    assert RelevantSegmentPostprocessor()._param("minimum_value") == 0.5  # dsRAG's balanced
+
+
 def test_keep_top_hits_must_be_a_count():
     with pytest.raises(ValueError, match="keep_top_hits"):
         RelevantSegmentPostprocessor(keep_top_hits=-1)

@@ -25,6 +25,10 @@ from llama_index.packs.self_rag_rse.rse.calibration import DEFAULT_COSINE_RANGE,
 from llama_index.packs.self_rag_rse.rse.context_budget import CHARS_PER_TOKEN
 from llama_index.packs.self_rag_rse.rse.values import get_preset
 
+#: ``minimum_value`` under a budget when none is given: weaker hits come in by the fill, in rank
+#: order as top-k's, and the search trades them only for strong segments (docs/benchmarks.md).
+BUDGET_MINIMUM_VALUE = 1.0
+
 #: Options that count something, and what to pass instead of a bad value.
 _COUNTS = {
     "max_length": "the most chunks in one segment, e.g. 10 (None: the preset's)",
@@ -59,7 +63,7 @@ class SegmentOptions(BaseModel):
         default=None, description="Most chunks over all segments returned."
     )
     minimum_value: float | None = Field(
-        default=None, description="A segment must be worth at least this much to be returned."
+        default=None, description="A segment's least worth (None: its preset's; 1.0 with a budget)."
     )
     irrelevant_chunk_penalty: float | None = Field(
         default=None,
@@ -140,8 +144,7 @@ class SegmentOptions(BaseModel):
         ),
     )
     max_context_tokens: int | None = Field(
-        default=None,
-        description="The same budget in tokens, counted with `tokenizer`.",
+        default=None, description="The same budget in tokens, counted with `tokenizer`."
     )
     segment_headers: bool = Field(
         default=True,
@@ -243,4 +246,6 @@ class SegmentOptions(BaseModel):
 
     def _param(self, name: str) -> Any:
         value = getattr(self, name)
+        if value is None and name == "minimum_value" and self.budgeted:
+            return BUDGET_MINIMUM_VALUE
         return getattr(get_preset(self.preset), name) if value is None else value

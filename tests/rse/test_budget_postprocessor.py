@@ -342,8 +342,8 @@ def test_under_a_budget_a_pair_of_weaker_hits_does_not_displace_the_next_hit(
     pair = doc_nodes("c", 2, text_len=100)
     hits = [NodeWithScore(node=best[0], score=0.9), NodeWithScore(node=second[0], score=0.61)]
     hits += [NodeWithScore(node=node, score=0.6) for node in pair]
-    options = {"docstore": docstore_with(best + second + pair), "max_context_chars": 300}
-    options["calibration"] = "raw"
+    store = docstore_with(best + second + pair)
+    options = {"docstore": store, "max_context_chars": 300, "calibration": "raw"}
     dsrag = RelevantSegmentPostprocessor(minimum_value=0.5, **options).postprocess_nodes(hits)
     default = RelevantSegmentPostprocessor(**options).postprocess_nodes(hits)
     assert sorted(n.node.metadata["segment_document_id"] for n in dsrag) == ["a", "c"]

@@ -39,8 +39,9 @@ A question set may give several gold excerpts per question (``"evidence"`` a lis
 ``"evidence_starts"``): Chroma's chunking evaluation, converted by
 convert_chunking_evaluation.py (its data is not shipped; that script says how to get it).
 ``--variants`` adds budgeted RSE rows for other value models in the same run (a calibration
-name, ``+best`` or ``+topN`` for ``keep_top_hits``, ``+minX`` for ``minimum_value``), e.g.
-``--variants rank zscore spread+best default+best+min0``.
+name, ``+best`` or ``+topN`` for ``keep_top_hits``, ``+minX`` for ``minimum_value``, ``+penX``
+for ``irrelevant_chunk_penalty``, ``+decayX`` for ``decay_rate``), e.g.
+``--variants rank zscore spread+best default+best+min0 default+best+decay15``.
 
 The figures are the same on every run of the same inputs: chunk ids are stable
 (``ChunkIndexer(stable_ids=True)``), so Qdrant returns hits of equal score in the same order,
@@ -295,12 +296,22 @@ def budgeted_rse(index: Index, budgets: list[int], preset: str, extra: dict[str,
     }
 
 
+#: Variant rules that set a number: ``+minX``, ``+penX``, ``+decayX``.
+_NUMERIC = {"min": "minimum_value", "pen": "irrelevant_chunk_penalty", "decay": "decay_rate"}
+
+
+def _number(rule: str) -> str:
+    digits = rule.lstrip("abcdefghijklmnopqrstuvwxyz")
+    return digits if digits.replace(".", "", 1).isdigit() else ""
+
+
 def variant_options(variant: str, extra: dict[str, Any]) -> dict[str, Any]:
     """The RSE options of a value-model variant: ``NAME`` (a calibration; ``default`` keeps the
     default one), then any of ``+best`` (``keep_top_hits=1``), ``+topN`` (``keep_top_hits=N``;
     neither: 0), ``+whole`` (``partial_fill=False``: only whole chunks), ``+bare``
-    (``segment_headers=False``: segments without their headers) and ``+minX``
-    (``minimum_value=X``)."""
+    (``segment_headers=False``: segments without their headers), ``+minX``
+    (``minimum_value=X``), ``+penX`` (``irrelevant_chunk_penalty=X``) and ``+decayX``
+    (``decay_rate=X``)."""
     name, *rules = variant.split("+")
     options = {**extra, "keep_top_hits": 0}
     for rule in rules:
@@ -312,12 +323,12 @@ def variant_options(variant: str, extra: dict[str, Any]) -> dict[str, Any]:
             options["partial_fill"] = False
         elif rule == "bare":
             options["segment_headers"] = False
-        elif rule.startswith("min") and rule[3:].replace(".", "", 1).isdigit():
-            options["minimum_value"] = float(rule[3:])
+        elif (key := _NUMERIC.get(rule.rstrip("0123456789."))) and _number(rule):
+            options[key] = float(_number(rule))
         else:
             sys.exit(
                 f"variant {variant!r}: use a calibration name, "
-                "then +best, +topN, +whole, +bare, +minX"
+                "then +best, +topN, +whole, +bare, +minX, +penX, +decayX"
             )
     if name != "default":
         options["calibration"] = name
@@ -419,8 +430,9 @@ def main() -> None:
         default=[],
         help="more value models for the budgeted RSE rows, each a calibration name, optionally "
         "with '+best' (keep_top_hits=1) or '+topN' (keep_top_hits=N), and '+whole' "
-        "(partial_fill=False) or '+bare' (segment_headers=False): e.g. rank zscore spread+best "
-        "spread+top2 spread+best+whole default+best+bare",
+        "(partial_fill=False) or '+bare' (segment_headers=False), '+minX', '+penX', '+decayX' "
+        "(minimum_value, irrelevant_chunk_penalty, decay_rate): e.g. rank zscore spread+best "
+        "spread+top2 spread+best+whole default+best+bare default+best+pen0.1",
     )
     parser.add_argument(
         "--threads",

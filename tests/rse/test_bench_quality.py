@@ -89,10 +89,16 @@ def test_variants_name_the_value_model_options() -> None:
         "keep_top_hits": 1,
         "minimum_value": 0.25,
     }
+    assert bench.variant_options("default+pen0.1+decay15", {}) == {
+        "keep_top_hits": 0,
+        "irrelevant_chunk_penalty": 0.1,
+        "decay_rate": 15.0,
+    }
     with pytest.raises(SystemExit, match="then \\+best"):
         bench.variant_options("spread+bogus", {})
-    with pytest.raises(SystemExit, match="minX"):
-        bench.variant_options("default+min", {})
+    for bad in ("default+min", "default+pen", "default+decay1.2.3", "default+xmin1"):
+        with pytest.raises(SystemExit, match="minX, \\+penX, \\+decayX"):
+            bench.variant_options(bad, {})
 
 
 def test_the_embedding_cache_gives_the_stored_vectors_back(tmp_path: Path) -> None:

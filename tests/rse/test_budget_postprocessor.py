@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import itertools
+import unicodedata
 import warnings
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
+from llama_index.core.schema import (
+    MetadataMode,
+    NodeRelationship,
+    NodeWithScore,
+    RelatedNodeInfo,
+    TextNode,
+)
 from text_strategies import SEPARATORS, WORDS, same_but_whitespace
 
 from llama_index.packs.self_rag_rse import ChunkIndexer, RelevantSegmentPostprocessor
@@ -403,6 +410,24 @@ def test_what_a_budget_has_left_goes_to_part_of_the_next_hit(docstore_with, part
     assert text[start:end] == piece.get_content()
     assert "segment_partial" not in piece.get_content(metadata_mode=MetadataMode.LLM)
     assert_no_text_twice(result)
+
+
+@pytest.mark.parametrize("unit", ["漢字テキストです。", "QUJD", "e\u0301"])
+def test_text_without_spaces_is_cut_between_characters(docstore_with, unit):
+    """No space to cut at (CJK, base64, a letter and its combining accent): the piece is cut
+    before a character, never inside one with its marks; once, no piece and no context came back."""
+    text = unit * (6000 // len(unit))
+    node = TextNode(
+        id_="nospace-0", text=text, start_char_idx=0, end_char_idx=len(text),
+        metadata={"chunk_index": 0},
+        relationships={NodeRelationship.SOURCE: RelatedNodeInfo(node_id="nospace")},
+    )  # fmt: skip
+    rse = RelevantSegmentPostprocessor(docstore=docstore_with([node]), max_context_chars=1001)
+    [piece] = rse.postprocess_nodes([NodeWithScore(node=node, score=0.9)])
+    cut = piece.node.get_content()  # 1,001 characters would end on "e" and leave out its accent
+    assert 990 <= len(cut) <= 1001 and piece.node.metadata["segment_partial"] is True
+    assert [0, len(cut)] == piece.node.metadata["segment_char_range"] and text.startswith(cut)
+    assert not unicodedata.combining(text[len(cut)])
 
 
 def test_a_piece_shorter_than_100_characters_is_not_worth_adding(docstore_with):

@@ -222,6 +222,17 @@ def test_empty_input_returns_empty():
     assert RelevantSegmentPostprocessor().postprocess_nodes([]) == []
 
 
+def test_a_generator_of_hits_gives_what_the_list_gives(doc_nodes, docstore_with):
+    nodes = doc_nodes("doc", 6)
+    rse = RelevantSegmentPostprocessor(docstore=docstore_with(nodes), calibration="raw")
+    hits = [NodeWithScore(node=nodes[i], score=0.9) for i in (1, 3)]
+    expected = [r.node.get_content() for r in rse.postprocess_nodes(list(hits))]
+    assert expected  # the start event once used the generator up: [] came back
+    assert [r.node.get_content() for r in rse.postprocess_nodes(h for h in hits)] == expected
+    again = asyncio.run(rse.apostprocess_nodes(h for h in hits))
+    assert [r.node.get_content() for r in again] == expected
+
+
 def test_single_node_without_store_is_its_own_segment(doc_nodes):
     node = doc_nodes("solo", 1)[0]
     result = RelevantSegmentPostprocessor(calibration="raw").postprocess_nodes(

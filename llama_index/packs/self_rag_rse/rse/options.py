@@ -125,24 +125,16 @@ class SegmentOptions(BaseModel):
             "what is left with the best remaining hits; None keeps dsRAG's chunk counts."
         ),
     )
-    keep_top_hits: int = Field(
-        default=1,
-        ge=0,
-        description=(
-            "Under a context budget: the best this-many hits are always in the context (as far "
-            "as they fit together); the segments worth most are chosen among those that hold "
-            "them. 0: the search alone decides. Default 1: a segment of neighbours never "
-            "displaces the best hit."
-        ),
-    )
-    partial_fill: bool = Field(
-        default=True,
-        description=(
-            "Under a budget, when no remaining hit fits whole: part of the best one (at least 100 "
-            "characters, cut at a word boundary, no overlap given twice) fills what is left, "
-            "marked `segment_partial`. False: only whole chunks."
-        ),
-    )
+    keep_top_hits: int = Field(default=1, ge=0, description=(
+        "Under a context budget: the best this-many hits are always in the context (as far as "
+        "they fit together), and the segments worth most are chosen among those that hold them. "
+        "0: the search alone decides. Default 1: neighbours never displace the best hit."
+    ))  # fmt: skip
+    partial_fill: bool = Field(default=True, description=(
+        "Under a budget, when no remaining hit fits whole: part of the best one (at least 100 "
+        "characters, cut at a word boundary, no overlap given twice) fills what is left, marked "
+        "`segment_partial`. False: only whole chunks."
+    ))  # fmt: skip
     max_context_tokens: int | None = Field(
         default=None, description="The same budget in tokens, counted with `tokenizer`."
     )

@@ -124,6 +124,7 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
         self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
     ) -> list[NodeWithScore]:
         """Replace retrieved chunks by the best segments of their documents."""
+        nodes = list(nodes)  # any iterable: the start event must not use up a generator
         dispatcher.event(self._start_event(nodes, query_bundle))
         result = self._to_nodes(self.extract(nodes))
         dispatcher.event(ReRankEndEvent(nodes=result))
@@ -133,6 +134,7 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
         self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
     ) -> list[NodeWithScore]:
         """Async variant: store reads use the stores' async APIs."""
+        nodes = list(nodes)
         dispatcher.event(self._start_event(nodes, query_bundle))
         result = self._to_nodes(await self.aextract(nodes))
         dispatcher.event(ReRankEndEvent(nodes=result))

@@ -11,6 +11,7 @@ header naming its document and section(s), shown to the answer LLM before the se
 from __future__ import annotations
 
 import itertools
+import unicodedata
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -115,12 +116,15 @@ def segment_nodes(segment: Segment, headers: bool = True) -> list[TextNode]:
 
 
 def cut_node(node: BaseNode, start: int, keep: int) -> BaseNode | None:
-    """The part of ``node``'s text from ``start``, at most ``keep`` characters long and cut at a
-    word boundary unless it runs to the end, marked ``segment_partial``; None when empty."""
+    """``node``'s text from ``start``, at most ``keep`` characters, cut at a word boundary (none:
+    before a character, not a mark) unless it runs to the end; ``segment_partial``; None: empty."""
     whole = node.get_content()
     window = whole[start : start + keep + 1]
     if start + keep < len(whole):
-        window = window[: max(window.rfind(" "), window.rfind("\n"), 0)]
+        edge = max(window.rfind(" "), window.rfind("\n"))
+        while edge <= 0 < keep and unicodedata.combining(window[keep]):
+            keep -= 1
+        window = window[: edge if edge > 0 else keep]
     text = window.strip()
     if not text:
         return None

@@ -430,6 +430,28 @@ def test_text_without_spaces_is_cut_between_characters(docstore_with, unit):
     assert not unicodedata.combining(text[len(cut)])
 
 
+def test_a_segment_over_several_sections_pays_for_its_longer_header(doc_nodes, docstore_with):
+    """A segment's header names every section it spans: the search prices each one, so the
+    segment fits as built (it once was dropped whole, and a larger budget returned less)."""
+    nodes = doc_nodes("doc", 10, text_len=207)
+    for i, node in enumerate(nodes):
+        node.metadata[DOCUMENT_TITLE_KEY] = "Doc"
+        node.metadata[SECTION_PATH_KEY] = ["Part", f"Section {i}, with a long descriptive title"]
+        node.excluded_llm_metadata_keys = [DOCUMENT_TITLE_KEY, SECTION_PATH_KEY]
+    hits = [NodeWithScore(node=nodes[i], score=0.9 - i / 50) for i in (2, 3, 4, 5)]
+    returned = []
+    for budget in (900, 1000, 1100):
+        rse = RelevantSegmentPostprocessor(
+            docstore=docstore_with(nodes), max_context_chars=budget, calibration="raw",
+            minimum_value=0.0,
+        )  # fmt: skip
+        result = rse.postprocess_nodes(hits)
+        returned.append(llm_chars(result))
+        assert returned[-1] <= budget and "Sections: " in result[0].node.get_content("llm")
+        assert result[0].node.metadata["segment_node_ids"][:3] == ["doc-2", "doc-3", "doc-4"]
+    assert returned == sorted(returned) and returned[-1] > returned[0], returned
+
+
 def test_a_piece_shorter_than_100_characters_is_not_worth_adding(docstore_with):
     _, nodes = _worded_chunks(12)
     hits = [NodeWithScore(node=nodes[1], score=0.9), NodeWithScore(node=nodes[8], score=0.8)]

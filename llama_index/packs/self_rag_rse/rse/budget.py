@@ -169,10 +169,9 @@ def _cost_array(costs: Sequence[int] | NDArray[np.integer[Any]], n: int, name: s
         raise ValueError(f"{name} needs one cost per chunk ({n}), got shape {array.shape}")
     if array.size and not np.issubdtype(array.dtype, np.integer):
         raise ValueError(f"{name} must be integers (characters or tokens), got {array.dtype}")
-    array = array.astype(np.int64)
     if array.size and int(array.min()) < 0:
         raise ValueError(f"{name} must be >= 0, got {int(array.min())}")
-    return array
+    return array.astype(np.int64)
 
 
 def _candidates(
@@ -194,7 +193,8 @@ def _candidates(
     worth = np.where(alive, row, -np.inf)
     cost = first.copy()
     best = np.full(n, -np.inf)
-    found_starts, found_ends, found_worth, found_cost = [], [], [], []
+    empty = np.zeros(0, dtype=np.int64)
+    found_starts, found_ends, found_worth, found_cost = [empty], [empty], [np.zeros(0)], [empty]
     for k in range(length):
         if k:
             alive &= ~wall[k : n + k]
@@ -203,8 +203,7 @@ def _candidates(
             alive &= cost <= budget
             if not alive.any():
                 break
-        ends_usable = padded_values[k : n + k] >= 0
-        hit = alive & ends_usable & (worth > best)
+        hit = alive & (padded_values[k : n + k] >= 0) & (worth > best)  # both ends usable
         where = np.flatnonzero(hit)
         if where.shape[0]:
             found_starts.append(where)
@@ -212,15 +211,8 @@ def _candidates(
             found_worth.append(worth[where])
             found_cost.append(cost[where])
             best[where] = worth[where]
-    if not found_starts:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, np.zeros(0), empty
-    return (
-        np.concatenate(found_starts),
-        np.concatenate(found_ends),
-        np.concatenate(found_worth),
-        np.concatenate(found_cost),
-    )
+    cat = np.concatenate
+    return cat(found_starts), cat(found_ends), cat(found_worth), cat(found_cost)
 
 
 def _knapsack(

@@ -2,11 +2,11 @@
 
 A budget caps the text the answer LLM reads: each segment's span (overlaps cut once) with its
 header, then the unplaced nodes. Chunk ``p`` costs ``first[p] = len(text) + header`` when it
-begins a segment and ``step[p] = end[p] - end[p - 1]`` after ``p - 1``; chunks not read yet share
-the distance between the known ends around them (exact from hit to hit); without offsets a step
-is the pair's stitched growth or the chunk's length, an estimate. A token limit is searched in
-characters, at the hits' characters per token. :class:`ContextBudget` runs the search, then
-measures the nodes built and corrects once: the result never exceeds the user's limits.
+begins a segment, else ``step[p] = end[p] - end[p - 1]`` plus the header's growth if it names a
+new section; chunks not read yet share the distance between the known ends around them (exact
+from hit to hit); without offsets a step is the pair's stitched growth or the chunk's length. A
+token limit is searched in characters, at the hits' characters per token. :class:`ContextBudget`
+runs the search, then measures the nodes built and corrects once: never over the user's limits.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from llama_index.core.schema import BaseNode, MetadataMode
 
+from llama_index.packs.self_rag_rse.context.segment_header import segment_header
 from llama_index.packs.self_rag_rse.rse.budget import (
     MAX_BUDGET,
     fill_budget,
@@ -227,9 +228,16 @@ class ContextBudget:
                 else:
                     step[i] = _step_without_offsets(nodes[i - 1], nodes[i], typical)
                     i += 1
+            step += [self._more_header(a, b) for a, b in zip([None, *nodes], nodes, strict=False)]
             firsts.append(first)
             steps.append(step)
         return np.concatenate(firsts), np.concatenate(steps)
+
+    def _more_header(self, before: BaseNode | None, node: BaseNode | None) -> int:
+        """At most what ``node`` adds to the header of a segment ending at ``before``."""
+        if before is None or node is None or not self.build.keywords["headers"]:
+            return 0
+        return max(0, len(segment_header(node, [before, node])) - len(segment_header(before)))
 
 
 def _step_without_offsets(before: BaseNode | None, node: BaseNode | None, typical: int) -> int:

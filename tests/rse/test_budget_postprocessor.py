@@ -452,6 +452,23 @@ def test_a_segment_over_several_sections_pays_for_its_longer_header(doc_nodes, d
     assert returned == sorted(returned) and returned[-1] > returned[0], returned
 
 
+def test_a_header_measured_on_text_ending_in_a_space_is_not_short(doc_nodes, docstore_with):
+    """The LLM text is stripped, so a chunk ending in a space once measured its header one
+    character short; every piece then missed the budget and was cut again at 90%."""
+    nodes = doc_nodes("doc", 6)
+    for i, node in enumerate(nodes):
+        node.set_content(f"chunk{i} " + "word " * 78)
+        node.start_char_idx, node.end_char_idx = 397 * i, 397 * (i + 1)
+        node.metadata.update(
+            {DOCUMENT_TITLE_KEY: "Doc title", SECTION_PATH_KEY: ["Part", f"S{i // 2}"]}
+        )
+        node.excluded_llm_metadata_keys = [DOCUMENT_TITLE_KEY, SECTION_PATH_KEY]
+    hits = [NodeWithScore(node=nodes[0], score=0.9), NodeWithScore(node=nodes[1], score=0.8)]
+    for budget in (380, 400, 410):
+        rse = RelevantSegmentPostprocessor(docstore=docstore_with(nodes), max_context_chars=budget)
+        assert budget - 5 <= llm_chars(rse.postprocess_nodes(hits)) <= budget
+
+
 def test_a_piece_shorter_than_100_characters_is_not_worth_adding(docstore_with):
     _, nodes = _worded_chunks(12)
     hits = [NodeWithScore(node=nodes[1], score=0.9), NodeWithScore(node=nodes[8], score=0.8)]

@@ -105,7 +105,7 @@ class ContextBudget:
         if kind not in self._headers:
             built = self.build(Segment(node.ref_doc_id or "", 0, 1, 0.0, members=[node]))[0]
             shown = built.get_content(metadata_mode=MetadataMode.LLM)
-            self._headers[kind] = len(shown) - len(built.get_content())
+            self._headers[kind] = len(shown) - len(built.get_content().rstrip())
         return self._headers[kind]
 
     def spans(

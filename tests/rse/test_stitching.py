@@ -148,6 +148,19 @@ def test_distrusted_offsets_are_ignored():
     assert len(pieces) == 2 and pieces[1].start_char is None
 
 
+@pytest.mark.parametrize("linked", [True, False])
+def test_empty_chunks_add_no_text(linked):
+    """A chunk of no text neither joins nor breaks: once each one stood for a newline (and
+    made its neighbours' offsets suspect, losing the range)."""
+    texts, spans = ["", "", "abc def", "", "ghi", ""], [(0, 0), (0, 0), (0, 7), (7, 7), (8, 11)]
+    spans.append((11, 11))
+    assert suspect_offsets(texts, spans) == [False] * 6
+    [piece] = stitch_chunks(texts, spans, [linked] * 6)
+    assert (piece.text, piece.start_char, piece.end_char) == ("abc def ghi", 0, 11)
+    assert (piece.first, piece.stop, piece.gaps) == (0, 6, 1)
+    assert [p.text for p in stitch_chunks(["", ""], None, [linked] * 2)] == [""]
+
+
 def test_mismatched_inputs_are_errors():
     with pytest.raises(ValueError, match="one of each per chunk"):
         stitch_chunks(["a", "b"], [(0, 1)])

@@ -13,6 +13,7 @@ text nobody has. No LlamaIndex import.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -114,13 +115,14 @@ def suspect_offsets(texts: Sequence[str], spans: Sequence[Span]) -> list[bool]:
     :func:`stitch_chunks` does.
     """
     suspect = [False] * len(texts)
-    for i in range(1, len(texts)):
-        (start_a, end_a), (start_b, end_b) = spans[i - 1], spans[i]
-        if not (_usable(texts[i - 1], spans[i - 1]) and _usable(texts[i], spans[i])):
+    shown = [i for i, text in enumerate(texts) if text]  # an empty chunk shows no boundary
+    for h, i in itertools.pairwise(shown):
+        (start_a, end_a), (start_b, end_b) = spans[h], spans[i]
+        if not (_usable(texts[h], spans[h]) and _usable(texts[i], spans[i])):
             continue
         assert start_a is not None and end_a is not None and start_b is not None
         assert end_b is not None
-        left, right = texts[i - 1], texts[i]
+        left, right = texts[h], texts[i]
         shift = end_a - start_b
         if start_b < start_a or end_b <= end_a:
             # Splitters place a chunk by searching its text, so one that ends inside the previous
@@ -136,7 +138,7 @@ def suspect_offsets(texts: Sequence[str], spans: Sequence[Span]) -> list[bool]:
             # repeated at the start of the next ("... | name" then "name ::= ...").
             agrees = True
         if not agrees:
-            suspect[i - 1] = suspect[i] = True
+            suspect[h] = suspect[i] = True
     return suspect
 
 
@@ -170,6 +172,9 @@ def _stitch(
     breaks: list[Break] = []
     run = _Run(texts[0], trusted[0], 0, suspect[0])
     for i in range(1, len(texts)):
+        if not texts[i] or not run.length:  # an empty chunk neither joins nor breaks
+            run = run if not texts[i] else _Run(texts[i], trusted[i], run.first, suspect[i])
+            continue
         reason = run.add(texts[i], trusted[i], links[i], suspect[i - 1] or suspect[i])
         if reason is not None:
             breaks.append(Break(i, reason))
@@ -185,11 +190,8 @@ class _Run:
     """A run of chunks being stitched: its parts, its end in source coordinates, its doubts."""
 
     def __init__(self, text: str, span: Span, first: int, suspect: bool) -> None:
-        self.parts = [text]
-        self.length = len(text)
-        self.first = first
-        self.start_char = span[0]
-        self.end_char = span[1]  # None once a boundary could not be placed by offsets
+        self.parts, self.length, self.first = [text], len(text), first
+        self.start_char, self.end_char = span  # end: None once offsets could not place a boundary
         self.gaps = 0
         self.contradicted = suspect  # offsets disagreed with the texts: no range to report
 

@@ -412,10 +412,11 @@ def test_what_a_budget_has_left_goes_to_part_of_the_next_hit(docstore_with, part
     assert_no_text_twice(result)
 
 
-@pytest.mark.parametrize("unit", ["漢字テキストです。", "QUJD", "e\u0301"])
+@pytest.mark.parametrize("unit", ["漢字テキストです。", "QUJD", "e\u0301", "ab " + "漢" * 2997])
 def test_text_without_spaces_is_cut_between_characters(docstore_with, unit):
-    """No space to cut at (CJK, base64, a letter and its combining accent): the piece is cut
-    before a character, never inside one with its marks; once, no piece and no context came back."""
+    """No space to cut at (CJK, base64, a letter and its combining accent; one space near the
+    start only): the piece is cut before a character, never inside one with its marks; once, no
+    piece and no context came back."""
     text = unit * (6000 // len(unit))
     node = TextNode(
         id_="nospace-0", text=text, start_char_idx=0, end_char_idx=len(text),

@@ -159,6 +159,9 @@ def test_empty_chunks_add_no_text(linked):
     assert (piece.text, piece.start_char, piece.end_char) == ("abc def ghi", 0, 11)
     assert (piece.first, piece.stop, piece.gaps) == (0, 6, 1)
     assert [p.text for p in stitch_chunks(["", ""], None, [linked] * 2)] == [""]
+    # Distrusted before an empty chunk stays distrusted after it: unlinked, no join by newline.
+    pieces = stitch_chunks(["x" * 20, "", "y" * 20], None, [False] * 3, [True, False, False])
+    assert [p.text for p in pieces] == ["x" * 20, "y" * 20]
 
 
 def test_mismatched_inputs_are_errors():

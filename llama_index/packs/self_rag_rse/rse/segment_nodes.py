@@ -116,15 +116,15 @@ def segment_nodes(segment: Segment, headers: bool = True) -> list[TextNode]:
 
 
 def cut_node(node: BaseNode, start: int, keep: int) -> BaseNode | None:
-    """``node``'s text from ``start``, at most ``keep`` characters, cut at a word boundary (none:
-    before a character, not a mark) unless it runs to the end; ``segment_partial``; None: empty."""
+    """``node``'s text from ``start``, at most ``keep`` characters, cut at a word boundary (none in
+    its second half: before a character, not a mark) unless it runs to the end; None: empty."""
     whole = node.get_content()
     window = whole[start : start + keep + 1]
     if start + keep < len(whole):
         edge = max(window.rfind(" "), window.rfind("\n"))
-        while edge <= 0 < keep and unicodedata.combining(window[keep]):
+        while edge <= keep // 2 < keep and unicodedata.combining(window[keep]):
             keep -= 1
-        window = window[: edge if edge > 0 else keep]
+        window = window[: edge if edge > keep // 2 else keep]
     text = window.strip()
     if not text:
         return None

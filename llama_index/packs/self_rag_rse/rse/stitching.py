@@ -173,6 +173,7 @@ def _stitch(
     run = _Run(texts[0], trusted[0], 0, suspect[0])
     for i in range(1, len(texts)):
         if not texts[i] or not run.length:  # an empty chunk neither joins nor breaks
+            suspect[i] = suspect[i] if texts[i] else suspect[i - 1]  # it stands for the last one
             run = run if not texts[i] else _Run(texts[i], trusted[i], run.first, suspect[i])
             continue
         reason = run.add(texts[i], trusted[i], links[i], suspect[i - 1] or suspect[i])
@@ -192,8 +193,7 @@ class _Run:
     def __init__(self, text: str, span: Span, first: int, suspect: bool) -> None:
         self.parts, self.length, self.first = [text], len(text), first
         self.start_char, self.end_char = span  # end: None once offsets could not place a boundary
-        self.gaps = 0
-        self.contradicted = suspect  # offsets disagreed with the texts: no range to report
+        self.gaps, self.contradicted = 0, suspect  # contradicted offsets: no range to report
 
     def tail(self, size: int) -> str:
         """The last ``size`` characters stitched so far (``size <= self.length``)."""

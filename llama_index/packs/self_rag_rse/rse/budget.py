@@ -135,9 +135,8 @@ def fill_budget(
             skipped.discard(p)
             # A neighbour skipped for its cost may fit now that it would be a step.
             retry.extend(q for q in (p - 1, p + 1) if q in skipped)
-    _room_for_piece(
-        taken, walls, row, first, step, positions, budget - spent, least_piece, max_length
-    )
+    left = budget - spent
+    _room_for_piece(taken, walls, row, first, step, positions, left, least_piece, max_length)
     return _runs(taken, walls)
 
 

@@ -25,8 +25,7 @@ from llama_index.packs.self_rag_rse.rse.calibration import DEFAULT_COSINE_RANGE,
 from llama_index.packs.self_rag_rse.rse.context_budget import CHARS_PER_TOKEN
 from llama_index.packs.self_rag_rse.rse.values import get_preset
 
-#: ``minimum_value`` under a budget when none is given: weaker hits come in by the fill, in rank
-#: order as top-k's, and the search trades them only for strong segments (docs/benchmarks.md).
+#: ``minimum_value`` under a budget when none is given: weaker hits come by the fill, in rank order.
 BUDGET_MINIMUM_VALUE = 1.0
 
 #: Options that count something, and what to pass instead of a bad value.

@@ -122,11 +122,11 @@ def cut_node(node: BaseNode, start: int, keep: int) -> BaseNode | None:
     window = whole[start : start + keep + 1]
     if start + keep < len(whole):
         edge = max(window.rfind(" "), window.rfind("\n"))
-        while edge <= keep // 2 < keep and unicodedata.combining(window[keep]):
-            keep -= 1
-        window = window[: edge if edge > keep // 2 else keep]
-    text = window.strip()
-    if not text:
+        end = edge if edge > keep // 2 else keep  # no space in the second half: between characters
+        while end > edge and unicodedata.combining(window[end]):
+            end -= 1
+        window = window[:end]
+    if not (text := window.strip()):
         return None
     cut = node.model_copy(deep=True)
     cut.set_content(text)

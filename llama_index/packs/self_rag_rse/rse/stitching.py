@@ -172,9 +172,11 @@ def _stitch(
     breaks: list[Break] = []
     run = _Run(texts[0], trusted[0], 0, suspect[0])
     for i in range(1, len(texts)):
-        if not texts[i] or not run.length:  # an empty chunk neither joins nor breaks
-            suspect[i] = suspect[i] if texts[i] else suspect[i - 1]  # it stands for the last one
-            run = run if not texts[i] else _Run(texts[i], trusted[i], run.first, suspect[i])
+        if not texts[i]:  # an empty chunk neither joins nor breaks; it keeps the last one's doubt
+            suspect[i] = suspect[i - 1]
+            continue
+        if not run.length:  # only empty chunks so far: the text starts here
+            run = _Run(texts[i], trusted[i], run.first, suspect[i])
             continue
         reason = run.add(texts[i], trusted[i], links[i], suspect[i - 1] or suspect[i])
         if reason is not None:

@@ -27,7 +27,7 @@ sentence, as a Self-RAG model's are. The engine: ``long_form=True``, beam 2, 3 p
   128-255, ... and interpolated between the bands' middles. Each depth's continuations are
   generated side by side, one depth after the other: step ``s`` of a depth feeds back token
   ``s`` of every continuation longer than ``s + 1`` tokens, ``width_s`` of them, at
-  positions ``len(prompt) + s`` (mean ``depth_s``); ``step_s(w, d)`` is the time of one
+  positions ``len(prompt) + s`` (the deepest ``depth_s``); ``step_s(w, d)`` is the time of one
   ``llama_decode`` of ``w`` sequences one token each, ``d`` positions deep, measured for
   every width used at the shallowest, middle and deepest step and interpolated linearly.
 
@@ -174,11 +174,13 @@ def main() -> None:
         same = args.no_sequential or str(sequential.query(args.question)) == str(answer)
         meta = answer.metadata["self_rag"]
         positions, steps, generated = unavoidable(recorder.calls)
+        at_mean = unavoidable(recorder.calls, statistics.fmean)[1]
         prompts = sorted({p for call in recorder.calls for p, _ in call}, key=len)
         decoder = ours_critic.decoder
         probe = RawProbe(
-            llm, list(prompts[-1]), positions[-1], [w for w, _ in steps], step_depths(steps),
-            decoder.n_threads, bool(decoder.kv_unified),
+            llm, list(prompts[-1]), positions[-1], [w for w, _ in steps],
+            step_depths(steps) + step_depths(at_mean), decoder.n_threads,
+            bool(decoder.kv_unified),
         )  # fmt: skip
         engines = [("ours", ours)] + ([] if args.no_sequential else [("sequential", sequential)])
         times: dict[str, list[float]] = {name: [] for name, _ in engines}
@@ -221,7 +223,7 @@ def main() -> None:
         f"llama.cpp evaluated {evaluated} tokens (prompts and fed-back segments)"
     )
     print_costs(costs, len(samples))
-    print_limit(costs, positions, steps, generated)
+    print_limit(costs, positions, steps, generated, at_mean, ours_s)
     print(f"\n{'':<12}{'min':>8} {'median':>8}   ({args.repeats} repeats)")
     for name, values in times.items():
         print(f"{name:<12}{min(values):8.2f} {statistics.median(values):8.2f} s")
@@ -229,7 +231,7 @@ def main() -> None:
     result: dict[str, Any] = {}
     if "sequential" in times:
         seq_s = min(times["sequential"])
-        print(f"speedup {seq_s / ours_s:.2f}x (target >= 5)")
+        print(f"speedup {seq_s / ours_s:.2f}x")
         result = {"sequential_s": round(seq_s, 3), "speedup": round(seq_s / ours_s, 2)}
     print(
         f"ours / limit {ours_s / limit:.2f} (fastest / best raw costs); "

@@ -108,6 +108,13 @@ def test_shipped_chapter_sections() -> None:
 def test_windows_line_endings_and_text_without_headings() -> None:
     text = "Guide\r\n=====\r\n\r\nIntro.\r\n\r\n## Part\r\n\r\nBody.\r\n"
     assert [h.title for h in find_headings(text)] == ["Guide", "Part"]
+    # Old Mac text ends its lines with \r alone: the same headings, the same sections' offsets.
+    mac, unix = text.replace("\r\n", "\r"), text.replace("\r\n", "\n")
+    assert [h.title for h in find_headings(mac)] == ["Guide", "Part"]
+    mac_spans, unix_spans = (
+        [(s.path, s.start_char, s.end_char) for s in heading_sections(t)[0]] for t in (mac, unix)
+    )
+    assert mac_spans == unix_spans and len(mac_spans) == 2
     sections, title = heading_sections("Just prose.\n\nMore prose.\n")
     assert title is None
     assert [(s.title, s.path, s.start_char, s.end_char) for s in sections] == [("", (), 0, 25)]

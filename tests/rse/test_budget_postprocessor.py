@@ -360,9 +360,10 @@ def test_under_a_budget_a_pair_of_weaker_hits_does_not_displace_the_next_hit(
     assert RelevantSegmentPostprocessor()._param("minimum_value") == 0.5  # dsRAG's balanced
 
 
-def test_keep_top_hits_must_be_a_count():
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "2"])
+def test_keep_top_hits_must_be_a_count(bad):
     with pytest.raises(ValueError, match="keep_top_hits"):
-        RelevantSegmentPostprocessor(keep_top_hits=-1)
+        RelevantSegmentPostprocessor(keep_top_hits=bad)
     rse = RelevantSegmentPostprocessor(max_context_chars=3000)
     assert rse.keep_top_hits == 1
     with pytest.raises(ValueError, match="keep_top_hits"):

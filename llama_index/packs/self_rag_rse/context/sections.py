@@ -7,6 +7,8 @@ ranges that cover the document exactly once, in order.
 
 from __future__ import annotations
 
+import itertools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -38,15 +40,12 @@ class SectionStart:
 
 
 class LineIndex:
-    """The lines of a text (split on ``\\n`` only, so offsets stay exact) and where each starts."""
+    """The lines of a text and where each starts: a line ends at ``\\n`` or at a ``\\r`` not
+    before one (old Mac text), so a CRLF line keeps its ``\\r`` and every break is one character."""
 
     def __init__(self, text: str) -> None:
-        self.text = text
-        self.lines = text.split("\n")
-        starts = [0]
-        for line in self.lines[:-1]:
-            starts.append(starts[-1] + len(line) + 1)
-        self.starts = starts
+        self.text, self.lines = text, re.split(r"\n|\r(?!\n)", text)
+        self.starts = [0, *itertools.accumulate(len(line) + 1 for line in self.lines[:-1])]
 
     def __len__(self) -> int:
         return len(self.lines)

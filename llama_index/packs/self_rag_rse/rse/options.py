@@ -124,7 +124,7 @@ class SegmentOptions(BaseModel):
             "what is left with the best remaining hits; None keeps dsRAG's chunk counts."
         ),
     )
-    keep_top_hits: int = Field(default=1, ge=0, description=(
+    keep_top_hits: int = Field(default=1, ge=0, strict=True, description=(
         "Under a context budget: the best this-many hits are always in the context (as far as "
         "they fit together), and the segments worth most are chosen among those that hold them. "
         "0: the search alone decides. Default 1: neighbours never displace the best hit."

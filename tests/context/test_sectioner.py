@@ -79,6 +79,8 @@ def test_options_are_checked() -> None:
         DocumentSectioner(window_chars=10)
     with pytest.raises(ValueError, match=r"strategy='llm'\) needs an llm"):
         DocumentSectioner(strategy="llm")
+    with pytest.raises(ValueError, match="num_workers must be at least 1, got 0"):
+        DocumentSectioner(num_workers=0)
     with pytest.raises(ValueError):
         DocumentSectioner(num_workers=float("nan"))
 

@@ -114,3 +114,42 @@ def test_the_contract_default_gives_the_same_judgements(digits_llm: Any) -> None
         # answers from another backend: the contract's two rounds
         mixed = asyncio.run(backend.judge_paragraphs(QUERY, PARAGRAPHS, PROMPTS, generator=other))
         assert_same(mixed, judge(backend))
+
+
+def test_labels_after_a_whitespace_token_are_read_after_it(tmp_path: Path) -> None:
+    """A SentencePiece vocabulary without "▁1".."▁5" (as Llama-2's and Mistral's) spells the
+    utility digits "▁", "1": each is read from the logits after the prompt and "▁", to 1e-5."""
+    import llama_cpp
+    import numpy as np
+    import tiny_gguf
+
+    from llama_index.packs.self_rag_rse.self_rag.backend import prompt_values
+    from llama_index.packs.self_rag_rse.self_rag.labels import UTILITY_SCALE
+
+    path = tmp_path / "plain.gguf"
+    tiny_gguf.write_tiny_gguf(path, typing="none")
+    options = {"n_ctx": 2048, "n_threads": 1, "n_threads_batch": 1, "verbose": False}
+    llm = llama_cpp.Llama(str(path), type_k=0, type_v=0, **options)
+    with closing(LlamaCppBackend(llm, max_new_tokens=12)) as backend:
+        lead, ids = backend.tokenizer.label_ids(UTILITY_SCALE)
+        assert [llm.detokenize(lead)] == [b" "]
+        assert [llm.detokenize(group) for group in ids] == [d.encode() for d in "12345"]
+        (result,) = judge_one(backend)
+        answer = result.answer
+        assert isinstance(answer, Generated)
+        utility = result.scores["utility"]
+        assert isinstance(utility, Scored) and utility.method == "logprobs"
+        values = prompt_values(QUERY, None, answer.text)
+        prompt = backend.tokenizer.fitted(PROMPTS.utility, dict(values), 2) + lead
+    llm.close()
+    raw = llama_cpp.Llama(str(path), type_k=0, type_v=0, logits_all=True, **options)
+    raw.eval(prompt)
+    logits = np.asarray(raw.scores[len(prompt) - 1], dtype=np.float64)
+    raw.close()
+    logprobs = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    expected = UTILITY_SCALE.expected_value([float(logprobs[g[0]]) for g in ids])
+    assert utility.score == pytest.approx(expected, abs=TOL)
+
+
+def judge_one(backend: CriticBackend) -> list[ParagraphResult]:
+    return asyncio.run(backend.judge_paragraphs(QUERY, PARAGRAPHS[:1], PROMPTS))

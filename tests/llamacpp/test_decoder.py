@@ -9,6 +9,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
+from llama_index.packs.self_rag_rse.llamacpp import compat
 from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder
 from llama_index.packs.self_rag_rse.llamacpp.sequences import Request, SequenceOutput
 from llama_index.packs.self_rag_rse.self_rag.reflection import (
@@ -245,17 +246,36 @@ def test_context_is_kept_grown_and_freed(tiny_gguf_paths: dict[str, Any]) -> Non
 
 
 def test_flash_attention_is_opt_in_and_close(
-    tiny_llm: Any, reference_llm: Any, reference: Any
+    tiny_llm: Any, reference_llm: Any, reference: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # llama.cpp's CPU flash-attention kernel computes in F16: close to, not equal to, the
-    # reference. It is off unless asked for (or the Llama has it on).
+    # reference. It is off unless asked for (or the Llama has it on; this one has it off).
+    off, on = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED, llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    assert compat.context_params(tiny_llm).flash_attn_type == off
+    asked: list[int] = []  # the flash_attn_type of every context llama.cpp was asked for
+    real_init = llama_cpp.llama_init_from_model
+
+    def recording_init(model: Any, params: Any) -> Any:
+        asked.append(params.flash_attn_type)
+        return real_init(model, params)
+
+    monkeypatch.setattr(llama_cpp, "llama_init_from_model", recording_init)
     inputs = judge_inputs(tiny_llm)
-    with BatchedDecoder(tiny_llm, n_seq_max=4, flash_attn=True) as fast:
-        outputs = fast.generate(**inputs, max_new_tokens=20)
-    for suffix, out in zip(inputs["suffixes"], outputs, strict=True):
-        context = inputs["prefix"] + suffix + inputs["suffix_tail"]
-        rows = reference(reference_llm, context, out.tokens)
-        np.testing.assert_allclose(out.tracked_logprobs, rows[:, inputs["track_ids"]], atol=0.05)
+    runs = {}
+    for flash_attn in (None, True):
+        with BatchedDecoder(tiny_llm, n_seq_max=4, flash_attn=flash_attn) as decoder:
+            runs[flash_attn] = decoder.generate(**inputs, max_new_tokens=20)
+    assert asked == [off, on]
+    largest: dict[bool | None, float] = {}
+    for flash_attn, outputs in runs.items():
+        for suffix, out in zip(inputs["suffixes"], outputs, strict=True):
+            context = inputs["prefix"] + suffix + inputs["suffix_tail"]
+            rows = reference(reference_llm, context, out.tokens)[:, inputs["track_ids"]]
+            np.testing.assert_allclose(out.tracked_logprobs, rows, atol=0.05)
+            gap = float(np.max(np.abs(out.tracked_logprobs - rows)))
+            largest[flash_attn] = max(largest.get(flash_attn, 0.0), gap)
+    # Off: the reference's kernel, equal up to rounding; on: the F16 kernel's error shows.
+    assert largest[None] < TOL < largest[True]
 
 
 def test_kv_layout_follows_the_attention_kernel(tiny_llm: Any) -> None:

@@ -56,6 +56,25 @@ def critic(tiny_llm: Any, request: pytest.FixtureRequest) -> Any:
     c.close()
 
 
+@pytest.fixture(scope="module", params=[None, True], ids=["default_kv", "unified_kv"])
+def talkative_critic(talkative_llm: Any, request: pytest.FixtureRequest) -> Any:
+    """The critic on the talkative model, in both KV layouts: the tiny model's answers after
+    [No Retrieval] are empty, so checks of them would compare '' with ''."""
+    c = ReflectionCritic(talkative_llm, max_new_tokens=30, n_seq_max=4, kv_unified=request.param)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def talkative_reference(talkative_gguf: Any) -> Any:
+    """The talkative model with logits_all=True: the oracle for its log-probs."""
+    from conftest import _llama  # the top conftest's loader (one settings table for all)
+
+    llm = _llama(talkative_gguf, logits_all=True)
+    yield llm
+    llm.close()
+
+
 def ids(llm: Any, *texts: str) -> list[int]:
     return [llm.tokenize(t.encode(), add_bos=False, special=True)[0] for t in texts]
 
@@ -175,17 +194,19 @@ def test_missing_reflection_tokens_raise_a_clear_error(tiny_llm_plain: Any) -> N
 
 
 def test_gate_follows_the_threshold(
-    critic: ReflectionCritic, tiny_llm: Any, reference_llm: Any, reference: Any
+    talkative_critic: ReflectionCritic, talkative_llm: Any, talkative_reference: Any, reference: Any
 ) -> None:
-    retrieval, no_retrieval = ids(tiny_llm, RETRIEVAL, NO_RETRIEVAL)
+    critic = talkative_critic
+    retrieval, no_retrieval = ids(talkative_llm, RETRIEVAL, NO_RETRIEVAL)
     for query in QUERIES:
         prompt = critic._prompt(query)
-        row = np.exp(reference(reference_llm, prompt, [0])[0])
+        row = np.exp(reference(talkative_reference, prompt, [0])[0])
         p_ret = row[retrieval] / (row[retrieval] + row[no_retrieval])
         always = critic.decide_retrieval(query, threshold=0.0)
         never = critic.decide_retrieval(query, threshold=1.0)
         assert always.retrieve and always.answer is None
-        assert not never.retrieve and never.answer == critic.generate(query)
+        assert not never.retrieve and never.answer
+        assert never.answer == critic.generate(query)
         assert always.probability == pytest.approx(p_ret, abs=TOL)
         assert never.probability == pytest.approx(p_ret, abs=TOL)
         mid = critic.decide_retrieval(query, threshold=float(p_ret) - 1e-3)
@@ -195,31 +216,34 @@ def test_gate_follows_the_threshold(
 
 
 def test_gate_without_threshold_follows_the_greedy_output(
-    critic: ReflectionCritic, tiny_llm: Any, reference_llm: Any, greedy: Any
+    talkative_critic: ReflectionCritic, talkative_llm: Any, talkative_reference: Any, greedy: Any
 ) -> None:
-    retrieval = ids(tiny_llm, RETRIEVAL)[0]
+    critic, llm = talkative_critic, talkative_llm
+    retrieval = ids(llm, RETRIEVAL)[0]
     seen = set()
     for query in QUERIES:
-        expected = greedy(reference_llm, critic._prompt(query), critic.max_new_tokens)
+        expected = greedy(talkative_reference, critic._prompt(query), critic.max_new_tokens)
         decision = critic.decide_retrieval(query, threshold=None)
         assert decision.retrieve == (retrieval in expected)
         seen.add(decision.retrieve)
         if not decision.retrieve:
             # As in threshold mode and the official code, the answer is conditioned on
             # [No Retrieval], not the greedy output that decided.
-            forced = [*critic._prompt(query), ids(tiny_llm, NO_RETRIEVAL)[0]]
-            answer = greedy(reference_llm, forced, critic.max_new_tokens)
-            assert decision.answer == answer_of(tiny_llm, answer) == critic.generate(query)
+            forced = [*critic._prompt(query), ids(llm, NO_RETRIEVAL)[0]]
+            answer = answer_of(llm, greedy(talkative_reference, forced, critic.max_new_tokens))
+            assert answer and decision.answer == answer == critic.generate(query)
     assert seen == {True, False}, "the tiny model should retrieve for some queries only"
 
 
 def test_generate_answers_after_no_retrieval(
-    critic: ReflectionCritic, tiny_llm: Any, reference_llm: Any, greedy: Any
+    talkative_critic: ReflectionCritic, talkative_llm: Any, talkative_reference: Any, greedy: Any
 ) -> None:
+    critic = talkative_critic
     for query in QUERIES:
-        prompt = [*critic._prompt(query), ids(tiny_llm, NO_RETRIEVAL)[0]]
-        expected = greedy(reference_llm, prompt, critic.max_new_tokens)
-        assert critic.generate(query) == answer_of(tiny_llm, expected)
+        prompt = [*critic._prompt(query), ids(talkative_llm, NO_RETRIEVAL)[0]]
+        expected = greedy(talkative_reference, prompt, critic.max_new_tokens)
+        answer = answer_of(talkative_llm, expected)
+        assert answer and critic.generate(query) == answer
 
 
 def test_answer_text_strips_reflection_tokens_and_quoted_evidence(
@@ -276,8 +300,10 @@ def test_failed_paragraph_keeps_the_others(
         )
 
 
-def test_concurrent_and_async_calls(critic: ReflectionCritic) -> None:
+def test_concurrent_and_async_calls(talkative_critic: ReflectionCritic) -> None:
+    critic = talkative_critic
     expected = {q: critic.judge(q, PARAGRAPHS[:3]) for q in QUERIES[:4]}
+    assert all(j.answer for judgements in expected.values() for j in judgements)
     results: dict[str, list[ParagraphJudgement]] = {}
     errors: list[BaseException] = []
 
@@ -306,4 +332,4 @@ def test_concurrent_and_async_calls(critic: ReflectionCritic) -> None:
 
     judged, decision, answer = asyncio.run(run_async())
     assert [j.answer for j in judged] == [j.answer for j in expected[QUERIES[0]]]
-    assert decision.answer == answer
+    assert answer and decision.answer == answer

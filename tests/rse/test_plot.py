@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,11 +20,18 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_of_a_real_extraction(indexed, tmp_path):
+    from matplotlib.image import imread
+
     retrieved = indexed.as_retriever(similarity_top_k=10).retrieve(QUERY)
     extraction = RelevantSegmentPostprocessor(index=indexed).extract(retrieved)
+    assert extraction.segments
     path = plot_segments(extraction, tmp_path / "rse.png")
     assert path.read_bytes()[:8] == PNG
     assert path.stat().st_size > 5_000
+    # The segments are drawn: the same extraction without them gives another picture.
+    bare = plot_segments(replace(extraction, segments=[]), tmp_path / "bare.png")
+    shaded, unshaded = imread(path), imread(bare)
+    assert shaded.shape == unshaded.shape and not np.array_equal(shaded, unshaded)
 
 
 def test_caller_backend_and_figures_are_left_alone(tmp_path):

@@ -41,5 +41,10 @@ def test_describe_and_empty(extraction):
     extraction.note = "why nothing"
     text = extraction.describe()
     assert "3 segment" not in text and "why nothing" in text
+    assert "  doc a chunks 4-6: +0.50 -0.10 +0.40" in text.splitlines()
+    extraction.segments.append(extraction.segment_at(5, 7, 0.6))
+    text = extraction.describe()
+    assert "1 segment(s)" in text.splitlines()[0]
+    assert "  segment doc a chunks [9, 11) value 0.600" in text.splitlines()
     empty = SegmentExtraction([], [], [])
     assert empty.values.shape == (0,) and empty.document_splits == []

@@ -139,8 +139,12 @@ def test_node_postprocessors_run_before_the_critic(make_engine):
     assert len(make_engine(ndocs=2).query("q").metadata["self_rag"]["paragraphs"]) == 2
 
 
-def test_aquery_and_concurrent_queries_agree(engine):
+def test_aquery_and_concurrent_queries_agree(make_engine, talkative_llm):
+    # The talkative model answers each query differently (the tiny one answers them alike), so a
+    # query answered as another's does not go unseen.
+    engine = make_engine(llm=talkative_llm)
     serial = [engine.query(q).response for q in ("a?", "b?", "c?")]
+    assert len(set(serial)) == 3
 
     async def together():
         return await asyncio.gather(*(engine.aquery(q) for q in ("a?", "b?", "c?")))

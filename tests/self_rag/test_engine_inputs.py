@@ -49,6 +49,10 @@ def test_non_finite_weights_are_rejected(make_engine, name, value):
         ("threshold", 2.0, r"threshold is a probability in \[0, 1\] \(or None\), got 2.0"),
         ("w_sup", math.nan, "w_sup must be a finite number"),
         ("max_new_tokens", 0, "max_new_tokens must be at least 1"),
+        ("max_new_tokens", 7, r"read once, when the critic is built.*max_new_tokens=7"),
+        ("ndocs", True, "ndocs must be a number, got True"),
+        ("threshold", True, "threshold must be a number, got True"),
+        ("w_rel", False, "w_rel must be a number, got False"),
         ("max_retrieval_rounds", 0, "max_retrieval_rounds must be at least 1"),
         ("beam_width", 0, "beam_width must be at least 1"),
         ("mode", "sometimes", "mode"),
@@ -313,3 +317,26 @@ def test_a_postprocessor_returning_none_names_itself():
     )
     with pytest.raises(TypeError, match="Nothing returned NoneType"):
         engine.query("q")
+
+
+@pytest.mark.parametrize("returned", ["one of three", None, "abc"])
+def test_a_critic_that_breaks_the_judgement_contract_is_named(returned):
+    from llama_index.packs.self_rag_rse import ParagraphJudgement
+
+    one = [ParagraphJudgement("only one", 0.9, 0.9, 1.0)]
+
+    class Short(Recording):
+        def judge(self, query, paragraphs):
+            return one if returned == "one of three" else returned
+
+    engine = SelfRAGQueryEngine(retriever=FixedRetriever(), critic=Short(), mode="always_retrieve")
+    with pytest.raises(TypeError, match=r"Short.ajudge must return one ParagraphJudgement per "):
+        engine.query("What does the while statement do?")
+
+
+def test_no_postprocessors_may_be_said_with_none():
+    engine = SelfRAGQueryEngine(
+        retriever=FixedRetriever(), critic=Recording(), node_postprocessors=None
+    )
+    assert engine.node_postprocessors == []
+    assert engine.query("What does the while statement do?").source_nodes

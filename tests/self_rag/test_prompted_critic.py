@@ -586,14 +586,29 @@ def test_llama_cpp_uses_the_llms_own_prompt_formatter(smollm2: Any) -> None:
         calls.append(completion)
         return chatml(completion)
 
+    decoded: list[Request] = []
+    real_run = Conversation.run
+
+    def spy(self: Conversation, requests: Any) -> Any:
+        decoded.extend(requests)
+        return real_run(self, requests)
+
     original = smollm2.completion_to_prompt
     smollm2.completion_to_prompt = tracking
     try:
         critic = PromptedCritic(LlamaCppBackend(smollm2))
         assert critic.prompt_format == "completion_to_prompt"
-        p = critic.decide_retrieval(QUERY, threshold=None).probability
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Conversation, "run", spy)
+            p = critic.decide_retrieval(QUERY, threshold=None).probability
         assert p is not None and 0.0 < p < 1.0
         assert calls and QUERY not in calls[-1]  # formatted with placeholders, query added as text
+        # The gate's prompt (decoded first) is the formatter's text for the filled-in template,
+        # token for token.
+        template = critic.get_prompts()["retrieval_prompt"]
+        text = chatml(template.format(query_str=QUERY))
+        expected = smollm2._model.tokenize(text.encode(), add_bos=True, special=True)
+        assert list(decoded[0].tokens) == expected
         critic.close()
     finally:
         smollm2.completion_to_prompt = original

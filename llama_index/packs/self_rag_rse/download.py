@@ -81,8 +81,7 @@ def public_names() -> list[str]:
     Read at run time; a class is told by its CapWords name, so nothing else gets imported
     (functions, constants and ``download_llama_pack`` itself are not components).
     """
-    package = importlib.import_module(PACKAGE)
-    names = getattr(package, "__all__", ())
+    names = getattr(importlib.import_module(PACKAGE), "__all__", ())
     return sorted(n for n in names if n[:1].isupper() and not n.isupper())
 
 
@@ -160,8 +159,7 @@ def download_llama_pack(
         return getattr(importlib.import_module(PACKAGE), name)
 
     dest = Path(download_dir).expanduser().absolute()
-    source = find_source(llama_pack_url)
-    copy_pack(source, dest, refresh_cache=refresh_cache, overwrite=overwrite)
+    copy_pack(find_source(llama_pack_url), dest, refresh_cache=refresh_cache, overwrite=overwrite)
     install_missing_requirements(dest / "pyproject.toml", extras, install=install_requirements)
     return import_from_copy(dest, name)
 
@@ -257,14 +255,12 @@ def copy_pack(
     _check_writable(dest)
     if overwrite and has_copy:
         shutil.rmtree(dest / PACKAGE_PATH)
-    fresh = not existing
     try:
         for rel, src in plan.items():
-            target = dest / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, target)
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dest / rel)
     except OSError:
-        if fresh:  # leave no half copy behind in a folder we created or found empty
+        if not existing:  # leave no half copy behind in a folder we created or found empty
             for child in dest.iterdir():
                 if child.is_dir() and not child.is_symlink():
                     shutil.rmtree(child)

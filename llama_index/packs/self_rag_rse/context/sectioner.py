@@ -358,13 +358,11 @@ def _repair_offsets(chunks: Sequence[BaseNode], texts: dict[str, str]) -> None:
 def _structural_starts(structural: list[Section], first: int, last: int) -> list[SectionStart]:
     """The heading sections of lines ``first..last``, the first one continuing the section that
     holds ``first`` (a window rarely starts on a heading)."""
-    starts = []
-    for section in structural:
-        if section.end_line <= first or section.start_line > last:
-            continue
-        line = max(first, section.start_line)
-        starts.append(SectionStart(line, section.title, section.path[-1:]))
-    return starts
+    return [
+        SectionStart(max(first, section.start_line), section.title, section.path[-1:])
+        for section in structural
+        if section.end_line > first and section.start_line <= last
+    ]
 
 
 def _join_continued(starts: list[SectionStart]) -> list[SectionStart]:

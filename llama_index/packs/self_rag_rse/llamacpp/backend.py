@@ -262,8 +262,10 @@ class LlamaCppBackend(CriticBackend):
     def _label_requests(
         self, scale: LabelScale, template: BasePromptTemplate, values: Sequence[Values]
     ) -> list[Request]:
-        track = [t for group in self.tokenizer.label_ids(scale) for t in group]
-        return [Request(self.tokenizer.fitted(template, dict(v), 1), 1, track) for v in values]
+        lead, groups = self.tokenizer.label_ids(scale)
+        track = [t for group in groups for t in group]
+        fit = self.tokenizer.fitted
+        return [Request(fit(template, dict(v), 1 + len(lead)) + lead, 1, track) for v in values]
 
     def _generated(self, out: SequenceOutput) -> Generated | Exception:
         if out.error is not None:
@@ -279,7 +281,7 @@ class LlamaCppBackend(CriticBackend):
     def _scored(self, out: SequenceOutput, scale: LabelScale) -> Scored | Exception:
         if out.error is not None or len(out.tracked_logprobs) == 0:
             return RuntimeError(out.error or "no logits")
-        label_lps = group_logprobs(out.tracked_logprobs[0], self.tokenizer.label_ids(scale))
+        label_lps = group_logprobs(out.tracked_logprobs[0], self.tokenizer.label_ids(scale)[1])
         return Scored(scale.expected_value(label_lps), "logprobs", None, 1)
 
 

@@ -12,6 +12,7 @@ Three jobs the llama.cpp backend needs before it can decode:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import warnings
@@ -51,7 +52,7 @@ class PromptTokenizer:
         self._format, self.prompt_format = chat_formatter(llama, owner)
         self._bos = int(llama.token_bos())
         self._add_bos = compat.adds_bos(llama)
-        self._label_ids: dict[str, list[list[int]]] = {}
+        self._label_ids: dict[str, tuple[list[int], list[list[int]]]] = {}
         self._skeletons: dict[int, tuple[BasePromptTemplate, list[tuple[str, str]]]] = {}
         self._control_runs: dict[str, list[str | int]] = {}
 
@@ -140,7 +141,7 @@ class PromptTokenizer:
             if len(tokens) > limit:
                 raise ValueError(
                     f"prompt has {len(tokens)} tokens, {max_new} more to generate, but n_ctx is "
-                    f"{self.n_ctx}: shorten the query or raise n_ctx"
+                    f"{self.n_ctx}: shorten the query, lower max_new_tokens or raise n_ctx"
                 )
             return tokens
         own = self.llama.tokenize(paragraph.encode("utf-8"), add_bos=False, special=False)
@@ -161,33 +162,45 @@ class PromptTokenizer:
             "shorten the query or raise n_ctx"
         )
 
-    def label_ids(self, scale: LabelScale) -> list[list[int]]:
-        """First-token ids of each label's spellings ("Yes", " Yes", "yes", " yes").
-
-        An id shared by two labels, or one that decodes to whitespace, tells nothing and is
-        dropped.
+    def label_ids(self, scale: LabelScale) -> tuple[list[int], list[list[int]]]:
+        """``(lead, ids)``: the first-token ids of each label's spellings ("Yes", " Yes", "yes",
+        " yes"), read after the prompt and ``lead``. An id shared by two labels, or one that
+        decodes to whitespace, tells nothing and is dropped. ``lead`` is empty unless that
+        leaves a label without ids and every label starts with the same whitespace tokens (a
+        SentencePiece vocabulary without "▁1": "1" is "▁", "1"); the prompt then goes on with
+        those, whose probability every label shares.
         """
         cached = self._label_ids.get(scale.name)
-        if cached is not None:
-            return cached
+        if cached is None:
+            cached = self._first_ids(scale, [])
+            spelt = self.llama.tokenize(scale.labels[0].encode("utf-8"), add_bos=False)
+            lead = list(itertools.takewhile(lambda t: not self._piece(t), spelt[:-1]))
+            if not all(cached[1]) and lead and all((after := self._first_ids(scale, lead))[1]):
+                cached = after
+            empty = [label for label, ids in zip(scale.labels, cached[1], strict=True) if not ids]
+            if empty:
+                raise ValueError(
+                    f"the {scale.name} labels {list(scale.labels)} do not start with distinct "
+                    f"tokens for this model ({', '.join(empty)} has none of its own): use the "
+                    "reflection critic, or a model whose vocabulary spells them apart"
+                )
+            self._label_ids[scale.name] = cached
+        return cached
+
+    def _first_ids(self, scale: LabelScale, lead: list[int]) -> tuple[list[int], list[list[int]]]:
         groups: list[set[int]] = []
         for label in scale.labels:
             ids: set[int] = set()
             for spelling in {label, " " + label, label.lower(), " " + label.lower()}:
                 tokens = self.llama.tokenize(spelling.encode("utf-8"), add_bos=False, special=False)
-                if not tokens:
+                if tokens[: len(lead)] != lead or len(tokens) == len(lead):
                     continue
-                piece = self.llama.detokenize([tokens[0]]).decode("utf-8", "ignore").strip()
+                piece = self._piece(tokens[len(lead)])
                 if piece and spelling.strip().lower().startswith(piece.lower()):
-                    ids.add(int(tokens[0]))
+                    ids.add(int(tokens[len(lead)]))
             groups.append(ids)
         shared = {t for i, g in enumerate(groups) for t in g for h in groups[i + 1 :] if t in h}
-        result = [sorted(g - shared) for g in groups]
-        empty = [label for label, ids in zip(scale.labels, result, strict=True) if not ids]
-        if empty:
-            raise ValueError(
-                f"the {scale.name} labels {list(scale.labels)} do not start with distinct tokens "
-                f"for this model ({', '.join(empty)} has none of its own)"
-            )
-        self._label_ids[scale.name] = result
-        return result
+        return lead, [sorted(g - shared) for g in groups]
+
+    def _piece(self, token: int) -> str:
+        return self.llama.detokenize([token]).decode("utf-8", "ignore").strip()

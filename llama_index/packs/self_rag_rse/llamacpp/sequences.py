@@ -107,7 +107,8 @@ def fit_suffixes(
     if budget < 0:
         raise ValueError(
             f"prefix ({prefix_len} tokens) + tail ({len(tail)}) + max_new_tokens "
-            f"({reserve}) exceed n_ctx={n_ctx}: shorten the query or raise n_ctx"
+            f"({reserve}) exceed n_ctx={n_ctx}: shorten the query, lower max_new_tokens or raise "
+            "n_ctx"
         )
     feeds: list[list[int]] = []
     truncated: list[int] = []

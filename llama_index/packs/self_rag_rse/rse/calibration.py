@@ -89,9 +89,7 @@ def beta_cdf(x: ArrayLike, a: ArrayLike, b: ArrayLike) -> float | FloatArray:
     inside = (x_arr > 0.0) & (x_arr < 1.0)
     if inside.any():
         result[inside] = _regularized_beta(x_arr[inside], a_arr[inside], b_arr[inside])
-    if result.ndim == 0:
-        return float(result)
-    return result
+    return float(result) if result.ndim == 0 else result
 
 
 def _regularized_beta(x: FloatArray, a: FloatArray, b: FloatArray) -> FloatArray:
@@ -178,9 +176,7 @@ def calibrate_minmax(scores: ArrayLike, low: float, high: float) -> float | Floa
     with np.errstate(over="ignore"):
         scaled = (np.asarray(scores, dtype=np.float64) - low) / (high - low)
     clipped = np.clip(scaled, 0.0, 1.0)
-    if clipped.ndim == 0:
-        return float(clipped)
-    return clipped
+    return float(clipped) if clipped.ndim == 0 else clipped
 
 
 def calibrate_cosine_adaptive(scores: ArrayLike, low: float, high: float) -> FloatArray:

@@ -301,8 +301,7 @@ def lay_out(
                 layouts[doc_id] = layout
     for doc_id, members in docs.items():
         if doc_id not in layouts and orderable(members):
-            positions = positions_from_links(members)
-            layouts[doc_id] = DocumentLayout(doc_id, positions, "links")
+            layouts[doc_id] = DocumentLayout(doc_id, positions_from_links(members), "links")
         if doc_id in layouts:
             layouts[doc_id].hold(members)  # the retrieved copy wins over a copy read back
     return layouts

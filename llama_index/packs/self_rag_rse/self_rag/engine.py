@@ -76,15 +76,10 @@ DEFAULT_TITLE_KEYS = ("title", "document_title")
 #: Options that must be finite numbers (``threshold`` may be None).
 _NUMBERS = ["w_rel", "w_sup", "w_use", "threshold", "rewrite_threshold"]
 _NUMBERS += ["support_threshold", "utility_threshold"]
+_COUNTS = ["max_new_tokens", "max_retrieval_rounds", "beam_width", "max_segments", "ndocs"]
 #: Keyword arguments of the upstream constructor that are not pydantic fields.
-_CONSTRUCTOR_ARGS = {
-    "model_path",
-    "model_kwargs",
-    "generate_kwargs",
-    "llm",
-    "critic",
-    "generator_llm",
-}
+_CONSTRUCTOR_ARGS = {"model_path", "model_kwargs", "generate_kwargs", "llm", "critic"}
+_CONSTRUCTOR_ARGS |= {"generator_llm"}
 
 
 class SelfRAGQueryEngine(CustomQueryEngine):
@@ -249,15 +244,25 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             raise ValueError(f"threshold is a probability in [0, 1] (or None), got {value}")
         return value
 
-    @field_validator(
-        "max_new_tokens", "max_retrieval_rounds", "beam_width", "max_segments", "ndocs"
-    )
+    @field_validator(*_NUMBERS, *_COUNTS, mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool):  # pydantic would read True as 1
+            raise ValueError(f"{info.field_name} must be a number, got {value}")
+        return value
+
+    @field_validator(*_COUNTS)
     @classmethod
     def _at_least_one(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value is not None and value < 1:
             none = " or None" if info.field_name == "ndocs" else ""
             raise ValueError(f"{info.field_name} must be at least 1{none}, got {value}")
         return value
+
+    @field_validator("node_postprocessors", mode="before")
+    @classmethod
+    def _no_postprocessors(cls, value: Any) -> Any:
+        return [] if value is None else value  # None: none, as core's query engines read it
 
     @field_validator("retriever")
     @classmethod
@@ -289,6 +294,11 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         before = self.__dict__.get(name)
         try:
             super().__setattr__(name, value)
+            if name == "max_new_tokens" and value != before:
+                raise ValueError(
+                    "max_new_tokens is read once, when the critic is built: pass "
+                    f"SelfRAGQueryEngine(max_new_tokens={value!r}, ...) to a new engine"
+                )
         except ValueError:
             # pydantic has already set the field when a check of the whole engine fails.
             self.__dict__[name] = before
@@ -464,9 +474,17 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         )
 
     def _score(self, judgement: ParagraphJudgement) -> float:
-        if judgement.error is not None:
-            return float("-inf")
-        return judgement.score(self.w_rel, self.w_sup, self.w_use, self.use_seqscore)
+        """The judgement's score; -inf for a failed one, and a NaN score fails it (it would
+        win or lose a max() by where it stands)."""
+        if judgement.error is None:
+            score = judgement.score(self.w_rel, self.w_sup, self.w_use, self.use_seqscore)
+            if score == score:  # not NaN
+                return score
+            judgement.error = (
+                "its score is NaN: the critic read log-probabilities that are not numbers (a "
+                "damaged model file or a numeric overflow); ranked last"
+            )
+        return float("-inf")
 
     def _final(self, answer: str, meta: dict[str, Any]) -> str:
         """The response text: never empty (an empty answer says so, in the text and the trace)."""

@@ -106,12 +106,6 @@ UTILITY_SCALE = LabelScale(
     fallback=0.0,
 )
 
-#: What an unreadable reply scores, for docs and traces.
-FALLBACK_NOTE = (
-    "unreadable replies score the scale's neutral value: relevance 0.5, support 0.5, utility 0.0;"
-    " an unreadable gate verdict retrieves"
-)
-
 
 #: How far above 0 a log-prob may lie and still read as 0: a probability of 1 rounded up (a
 #: float32 softmax, a server printing decimals). Anything higher is no log-prob.
@@ -178,23 +172,12 @@ _REFUSAL = re.compile(
     r"answer|say|judge|assess)|cannot\s+(?:determine|answer|say|judge|assess))\b",
     re.I,
 )
-#: JSON keys that most likely hold the verdict, in order of preference.
+#: JSON keys that most likely hold the verdict, in order of preference: generic names first,
+#: then the names of the judgements.
 _VERDICT_KEYS = (
-    "score",
-    "label",
-    "answer",
-    "verdict",
-    "rating",
-    "result",
-    "value",
-    "relevant",
-    "relevance",
-    "supported",
-    "support",
-    "utility",
-    "useful",
-    "retrieve",
-    "retrieval",
+    *("score", "label", "answer", "verdict", "rating", "result", "value"),
+    *("relevant", "relevance", "supported", "support"),
+    *("utility", "useful", "retrieve", "retrieval"),
 )
 _KEY_VALUE = re.compile(
     r"[\"']?(?P<key>[A-Za-z_][\w ]*?)[\"']?\s*:\s*(?P<value>\"[^\"]*\"?|'[^']*'?|[^,}\n]+)"
@@ -352,38 +335,32 @@ def _scan_text(text: str, scale: LabelScale, original: str) -> Reading:
 
     lowered = listing.sub(blank, lowered)
 
-    best: tuple[int, int, Reading] | None = None  # (start, -length, reading)
+    # Each phrase's first match and the first number: the earliest (then the longest) wins.
+    found: list[tuple[int, int, Reading]] = []  # (start, -length, reading)
     phrases = [(word, i) for i, word in enumerate(label_words) if not word.isdigit()]
-    phrases += list(scale.synonyms)
-    for phrase, index in phrases:
-        for match in re.finditer(rf"(?<![\w']){re.escape(phrase)}(?![\w'])", lowered):
-            candidate = (match.start(), -len(phrase), Reading(scale.values[index], "parsed"))
-            if best is None or candidate[:2] < best[:2]:
-                best = candidate
-            break
-    if scale.number_range is not None:
-        for match in _NUMBER.finditer(lowered):
-            number = _number(match.group("num"))
-            denominator = match.group("den")
-            if denominator is not None and scale.number_range[1] != _number(denominator):
-                # "8/10" on a 1..5 scale: rescale the fraction onto the range.
-                lo, hi = scale.number_range
-                number = lo + number / max(_number(denominator), 1e-9) * (hi - lo)
-            score = scale.value_of_number(number)
-            reading = (
-                Reading(score, "parsed")
-                if score is not None
-                else Reading(None, "fallback", f"number {match.group(0)} outside range")
-            )
-            candidate = (match.start(), -len(match.group(0)), reading)
-            if best is None or candidate[:2] < best[:2]:
-                best = candidate
-            break
-    if best is None:
+    for phrase, index in [*phrases, *scale.synonyms]:
+        match = re.search(rf"(?<![\w']){re.escape(phrase)}(?![\w'])", lowered)
+        if match:
+            found.append((match.start(), -len(phrase), Reading(scale.values[index], "parsed")))
+    if scale.number_range is not None and (match := _NUMBER.search(lowered)):
+        number = _number(match.group("num"))
+        denominator = match.group("den")
+        if denominator is not None and scale.number_range[1] != _number(denominator):
+            # "8/10" on a 1..5 scale: rescale the fraction onto the range.
+            lo, hi = scale.number_range
+            number = lo + number / max(_number(denominator), 1e-9) * (hi - lo)
+        score = scale.value_of_number(number)
+        reading = (
+            Reading(score, "parsed")
+            if score is not None
+            else Reading(None, "fallback", f"number {match.group(0)} outside range")
+        )
+        found.append((match.start(), -len(match.group(0)), reading))
+    if not found:
         if lowered.strip() == "":
             return Reading(None, "fallback", f"reply lists the options: {_clip(original)}")
         return Reading(None, "fallback", f"no label in reply: {_clip(original)}")
-    return best[2]
+    return min(found, key=lambda candidate: candidate[:2])[2]
 
 
 def _number(text: str) -> float:

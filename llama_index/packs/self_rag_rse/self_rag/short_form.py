@@ -50,6 +50,11 @@ async def short_form(
         fresh = await passages(parts, search_query, seen, round=round_)
         if fresh:
             judgements = await parts.critic.ajudge(query, [parts.paragraph(n) for n in fresh])
+            if not isinstance(judgements, list | tuple) or len(judgements) != len(fresh):
+                raise TypeError(
+                    f"{type(parts.critic).__name__}.ajudge must return one ParagraphJudgement "
+                    f"per paragraph ({len(fresh)}), in order; it returned {judgements!r:.80}"
+                )
             for node, judgement in zip(fresh, judgements, strict=True):
                 seen.add(node.node.node_id)
                 candidates.append(Candidate(node, judgement, parts.score(judgement)))

@@ -72,7 +72,6 @@ class TokenIds(Protocol):
 
     async def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of ``texts``: the first with BOS (if the model adds one), the rest without."""
-        ...
 
 
 class CompletionAPI(Protocol):
@@ -87,30 +86,25 @@ class CompletionAPI(Protocol):
 
     async def connect(self) -> ServerInfo:
         """Learn the server kind, the reflection tokens' keys and the context size."""
-        ...
 
     async def prompts(self, info: ServerInfo, prompt: str, layout: Layout) -> list[Any]:
         """The prompts ``layout`` describes around the user text ``prompt``."""
-        ...
 
     async def complete(
         self, info: ServerInfo, prompt: Any, max_new_tokens: int, top_n: int
     ) -> Completion:
         """Greedy continuation with the top-``top_n`` log-probs of every position."""
-        ...
 
     def stream(
         self, info: ServerInfo, prompt: Any, max_new_tokens: int, top_n: int
     ) -> AsyncIterator[Completion]:
         """:meth:`complete` through the server's streaming API: the completion's pieces (each
         with its positions' log-probs) as the server sends them; they join to the whole."""
-        ...
 
     async def refetch(
         self, info: ServerInfo, prompt: Any, generated: Sequence[str], top_n: int | None
     ) -> Position:
         """The distribution after ``prompt + generated`` (``top_n=None``: the whole vocabulary)."""
-        ...
 
     async def refetch_group(
         self,
@@ -122,24 +116,19 @@ class CompletionAPI(Protocol):
     ) -> Refetched:
         """Log-probs of ``members`` at ``position`` of ``completion`` (after ``prompt`` and the
         tokens generated before it), from one or two more requests."""
-        ...
 
     async def answer_text(self, info: ServerInfo, completion: Completion, keep: list[int]) -> str:
         """The text of the positions ``keep`` of ``completion``."""
-        ...
 
     def check(self, info: ServerInfo, completion: Completion) -> None:
         """Raise when the completion shows the reflection tokens cannot be identified."""
-        ...
 
     def ends_with_eog(self, completion: Completion) -> bool:
         """Whether the last position is an end-of-generation token (not part of the answer)."""
-        ...
 
     def token_ids(self) -> TokenIds | None:
         """What tokenizes for prompts sent as ids (long form continues a path from the very
         tokens the model wrote), or ``None`` when this server only takes text."""
-        ...
 
 
 def clean_user_text(text: str) -> str:

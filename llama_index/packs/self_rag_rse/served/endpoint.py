@@ -39,14 +39,12 @@ def endpoint_of(llm: Any) -> Endpoint | None:
         return None
     model = getattr(llm, "model", None)
     key = getattr(llm, "api_key", None)
-    timeout = getattr(llm, "timeout", None)
-    metadata = getattr(llm, "metadata", None)
     return Endpoint(
         base_url=base,
         model=model if isinstance(model, str) else None,
         api_key=key if isinstance(key, str) and key else None,
-        timeout=_seconds(timeout),
-        is_chat_model=bool(getattr(metadata, "is_chat_model", False)),
+        timeout=_seconds(getattr(llm, "timeout", None)),
+        is_chat_model=bool(getattr(getattr(llm, "metadata", None), "is_chat_model", False)),
     )
 
 

@@ -58,15 +58,9 @@ GREEDY: dict[str, dict[str, Any]] = {
         "ignore_eos": False,
     },
     # llama-cpp-python's repeat_penalty defaults to 1.1.
-    LLAMA_CPP_PYTHON: {
-        **_OPENAI_GREEDY,
-        "repeat_penalty": 1.0,
-        "top_k": 0,
-        "min_p": 0.0,
-        "mirostat_mode": 0,
-    },
+    LLAMA_CPP_PYTHON: dict(_OPENAI_GREEDY, repeat_penalty=1.0, top_k=0, min_p=0.0, mirostat_mode=0),
     # Explicit values win over the model's generation_config.json defaults.
-    VLLM: {**_OPENAI_GREEDY, "repetition_penalty": 1.0, "top_k": -1, "min_p": 0.0},
+    VLLM: dict(_OPENAI_GREEDY, repetition_penalty=1.0, top_k=-1, min_p=0.0),
     OPENAI: _OPENAI_GREEDY,
 }
 

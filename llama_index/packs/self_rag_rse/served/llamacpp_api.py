@@ -100,11 +100,9 @@ class LlamaCppAPI:
     async def _tokenize(self, texts: Sequence[str], special: bool) -> list[list[int]]:
         """Token ids of each of ``texts`` from one ``/tokenize`` call; ``special``: the texts
         are special tokens (parsed as such, no BOS), else user text (BOS first, not parsed)."""
-        content: list[Any] = []
-        for text in texts:
-            content += [text, _SEPARATOR]
+        content = [part for text in texts for part in (text, _SEPARATOR)][:-1]
         options = {"add_special": not special, "parse_special": special}
-        body = await self.client.post("/tokenize", {"content": content[:-1], **options})
+        body = await self.client.post("/tokenize", {"content": content, **options})
         url = self.client.url("/tokenize")
         try:
             parts = split_tokens(body["tokens"], _SEPARATOR)
@@ -236,14 +234,12 @@ class LlamaCppAPI:
         ids = [key_id(m) for m in members]
         body = self._body([*prompt, *_ids(generated)], 1, len(ids))
         body.update(
-            {
-                "post_sampling_probs": True,
-                "logit_bias": [[int(i), _GROUP_BIAS] for i in ids if i is not None],
-                "samplers": ["top_k", "temperature"],
-                "top_k": len(ids),
-                "temperature": 1.0,
-                "seed": 0,
-            }
+            post_sampling_probs=True,
+            logit_bias=[[int(i), _GROUP_BIAS] for i in ids if i is not None],
+            samplers=["top_k", "temperature"],
+            top_k=len(ids),
+            temperature=1.0,
+            seed=0,
         )
         found = await self.client.post_parsed("/completion", body, parse_native_post_sampling)
         if not any(m in found for m in members) or any(k not in members for k in found):
@@ -253,8 +249,7 @@ class LlamaCppAPI:
     async def answer_text(self, info: ServerInfo, completion: Completion, keep: list[int]) -> str:
         pieces = [completion.positions[i].piece for i in keep]
         if all(p is not None for p in pieces):
-            raw = b"".join(p for p in pieces if p is not None)
-            return raw.decode("utf-8", errors="ignore").strip()
+            return b"".join(p for p in pieces if p is not None).decode("utf-8", "ignore").strip()
         ids = [key_id(completion.positions[i].key) for i in keep]
         body = await self.client.post("/detokenize", {"tokens": ids})
         content = body.get("content") if isinstance(body, Mapping) else None

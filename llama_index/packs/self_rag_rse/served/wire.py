@@ -159,8 +159,7 @@ def _entry_top(
     """Candidates of one llama.cpp-style entry: key -> log-prob, key -> raw bytes."""
     top: dict[str, float] = {}
     pieces: dict[str, bytes] = {}
-    candidates = _require(entry, "top_logprobs", list)
-    for cand in candidates:
+    for cand in _require(entry, "top_logprobs", list):
         if not isinstance(cand, Mapping):
             raise MalformedBody("top_logprobs holds a non-object")
         if with_ids and "id" in cand:

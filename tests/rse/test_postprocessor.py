@@ -687,11 +687,12 @@ def test_nothing_worth_minimum_value_is_explained(doc_nodes, docstore_with, capl
         st.tuples(st.sampled_from(WORDS), st.sampled_from(SEPARATORS)), min_size=3, max_size=150
     ),
     chunk_size=st.sampled_from([16, 24, 40]),
-    overlap=st.sampled_from([0, 2, 5]),
+    overlap=st.sampled_from([0, 2, 5, 12]),  # 12: chunks i and i + 2 overlap at size 16 and 24
     stable=st.booleans(),
     picks=st.lists(st.tuples(st.integers(0, 10**6), st.floats(-0.3, 1.0)), max_size=12),
 )
 def test_segments_are_the_source_text_for_any_text(words, chunk_size, overlap, stable, picks):
+    """Each segment's text is the document's at its range, and no character is given twice."""
     from llama_index.core import Document
     from llama_index.core.node_parser import SentenceSplitter
     from llama_index.core.storage.docstore import SimpleDocumentStore
@@ -709,8 +710,40 @@ def test_segments_are_the_source_text_for_any_text(words, chunk_size, overlap, s
     hits = {nodes[i % len(nodes)].node_id: (nodes[i % len(nodes)], s) for i, s in picks}
     scored = [NodeWithScore(node=n, score=s) for n, s in hits.values()]
     rse = RelevantSegmentPostprocessor(docstore=docstore, calibration="raw")
+    ranges = []
     for item in rse.postprocess_nodes(scored):
         char_range = item.node.metadata["segment_char_range"]
         if char_range is not None:
             start, end = char_range
             assert same_but_whitespace(item.node.get_content(), text[start:end])
+            ranges.append((start, end))
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(sorted(ranges)))
+
+
+@pytest.mark.parametrize("budget", [None, 1000])
+def test_segments_that_do_not_touch_give_shared_text_once(budget):
+    """A splitter overlap above half a chunk makes chunks 0 and 2 overlap: two segments that do
+    not touch shared text, given twice. The later one now starts where the earlier ends."""
+    from llama_index.core import Document
+    from llama_index.core.node_parser import SentenceSplitter
+    from llama_index.core.storage.docstore import SimpleDocumentStore
+
+    text = " ".join(f"w{i:02d}" for i in range(60))
+    nodes = SentenceSplitter(chunk_size=24, chunk_overlap=16).get_nodes_from_documents(
+        [Document(text=text, id_="doc")]
+    )
+    ChunkIndexer(stable_ids=True)(nodes)
+    assert nodes[2].start_char_idx < nodes[0].end_char_idx  # the premise
+    docstore = SimpleDocumentStore()
+    docstore.add_documents(nodes)
+    rse = RelevantSegmentPostprocessor(
+        docstore=docstore, calibration="raw", max_length=1, max_context_chars=budget
+    )
+    hits = [NodeWithScore(node=nodes[0], score=0.9), NodeWithScore(node=nodes[2], score=0.8)]
+    out = sorted(rse.postprocess_nodes(hits), key=lambda r: r.node.metadata["segment_char_range"])
+    ranges = [r.node.metadata["segment_char_range"] for r in out]
+    assert ranges == [[nodes[0].start_char_idx, nodes[0].end_char_idx],
+                      [nodes[0].end_char_idx, nodes[2].end_char_idx]]  # fmt: skip
+    joined = "".join(r.node.get_content() for r in out)
+    assert joined == text[nodes[0].start_char_idx : nodes[2].end_char_idx]
+    assert out[1].node.start_char_idx == nodes[0].end_char_idx

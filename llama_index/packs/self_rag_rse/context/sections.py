@@ -40,8 +40,7 @@ class SectionStart:
 
 
 class LineIndex:
-    """The lines of a text and where each starts: a line ends at ``\\n`` or at a ``\\r`` not
-    before one (old Mac text), so a CRLF line keeps its ``\\r`` and every break is one character."""
+    """A text's lines (ended by ``\\n``, or by a ``\\r`` not before one) and where each starts."""
 
     def __init__(self, text: str) -> None:
         self.text, self.lines = text, re.split(r"\n|\r(?!\n)", text)

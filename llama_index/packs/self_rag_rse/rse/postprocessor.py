@@ -39,7 +39,7 @@ from llama_index.packs.self_rag_rse.rse.layout import (
     read_missing,
 )
 from llama_index.packs.self_rag_rse.rse.options import SegmentOptions
-from llama_index.packs.self_rag_rse.rse.segment_nodes import segment_nodes
+from llama_index.packs.self_rag_rse.rse.segment_nodes import drop_given_text, segment_nodes
 from llama_index.packs.self_rag_rse.rse.segments import find_best_segments
 from llama_index.packs.self_rag_rse.rse.types import DocumentRegion, Segment, SegmentExtraction
 from llama_index.packs.self_rag_rse.rse.values import adjust_for_length, chunk_value
@@ -196,6 +196,8 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
         if budget is not None:
             spares = self._spares(hits, values_of, layouts) if hits else iter(())
             budget.fit(extraction, spares)
+        if self.output == "segments":
+            extraction.segments = drop_given_text(extraction.segments)
         return self._finish(extraction, nodes, hits, budget)
 
     def _settle(

@@ -144,6 +144,30 @@ def cut_node(node: BaseNode, start: int, keep: int) -> BaseNode | None:
     return cut
 
 
+def drop_given_text(segments: Sequence[Segment]) -> list[Segment]:
+    """``segments`` without the text an earlier node of their document gives: with a splitter
+    overlap above half a chunk, segments that do not touch can share text. A node whose range
+    is unknown stays whole; a segment left without nodes is dropped."""
+    placed = [(span, s, n) for s in segments for n in s.nodes if (span := _exact_range(n))]
+    given: dict[str, int] = {}  # per document: where the text given so far ends
+    for (start, end), segment, node in sorted(placed, key=lambda p: (p[1].doc_id, p[0])):
+        seen = given.setdefault(segment.doc_id, start)
+        if seen > start:
+            text = node.get_content()[min(seen, end) - start :]
+            segment.nodes = [m for m in segment.nodes if m is not node or text.strip()]
+            node.set_content(text)
+            node.id_ = _node_id(segment.doc_id, node.metadata["segment_node_ids"], text)
+            node.metadata["segment_char_range"] = [min(seen, end), end]
+            node.start_char_idx = min(seen, end)  # type: ignore[attr-defined]
+        given[segment.doc_id] = max(seen, end)
+    return [s for s in segments if s.nodes]
+
+
+def _exact_range(node: BaseNode) -> tuple[int, int] | None:
+    span = node.metadata.get("segment_char_range")
+    return (span[0], span[1]) if span and span[1] - span[0] == len(node.get_content()) else None
+
+
 def free_text(spare: Segment, kept: Sequence[Segment]) -> tuple[int, int] | None:
     """The ``[start, end)`` of a one-chunk ``spare``'s text that no ``kept`` segment gives
     (a neighbour's overlap cut off), or None: inside a segment, or offsets cannot tell."""

@@ -474,11 +474,9 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         )
 
     def _score(self, judgement: ParagraphJudgement) -> float:
-        """The judgement's score; -inf for a failed one, and a NaN score fails it (it would
-        win or lose a max() by where it stands)."""
         if judgement.error is None:
             score = judgement.score(self.w_rel, self.w_sup, self.w_use, self.use_seqscore)
-            if score == score:  # not NaN
+            if score == score:  # not NaN, which would win or lose a max() by its place
                 return score
             judgement.error = (
                 "its score is NaN: the critic read log-probabilities that are not numbers (a "

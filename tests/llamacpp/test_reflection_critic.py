@@ -232,7 +232,7 @@ def test_gate_without_threshold_follows_the_greedy_output(
             forced = [*critic._prompt(query), ids(llm, NO_RETRIEVAL)[0]]
             answer = answer_of(llm, greedy(talkative_reference, forced, critic.max_new_tokens))
             assert answer and decision.answer == answer == critic.generate(query)
-    assert seen == {True, False}, "the tiny model should retrieve for some queries only"
+    assert seen == {True, False}, "the model should retrieve for some queries only"
 
 
 def test_generate_answers_after_no_retrieval(

@@ -94,6 +94,13 @@ def test_non_text_query_is_refused_before_any_event(make_engine, events, query):
     assert "QueryStartEvent" not in events
 
 
+def test_a_lone_surrogate_in_the_query_is_refused_before_any_event(make_engine, events):
+    # What decoding bytes with errors="surrogateescape" leaves: no model can read it.
+    with pytest.raises(ValueError, match="lone surrogate at 8: decode it with errors='replace'"):
+        make_engine().query("what is \udcff while")
+    assert "QueryStartEvent" not in events
+
+
 async def test_non_text_query_is_refused_by_aquery(make_engine):
     engine = make_engine()
     with pytest.raises(TypeError, match="query must be a string"):

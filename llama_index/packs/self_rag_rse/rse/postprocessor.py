@@ -243,12 +243,10 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
         """Deduplicate, rank by score and turn scores into chunk values: returns the hits with
         a source document, their values by node id (best first: ties go by rank), and the
         nodes that pass through."""
-        seen: set[str] = set()
-        unique = []
+        first: dict[str, NodeWithScore] = {}
         for item in nodes:
-            if item.node.node_id not in seen:
-                seen.add(item.node.node_id)
-                unique.append(item)
+            first.setdefault(item.node.node_id, item)
+        unique = list(first.values())
         scores = [item.score for item in unique]
         reject_nan(scores)
         if all(s is not None for s in scores):

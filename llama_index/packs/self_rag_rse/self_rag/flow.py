@@ -73,6 +73,8 @@ def check_query(query: Any) -> None:
         )
     if not text.strip():
         raise ValueError("query is empty: pass a non-empty question")
+    if (at := next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), -1)) >= 0:
+        raise ValueError(f"query has a lone surrogate at {at}: decode it with errors='replace'")
 
 
 async def passages(

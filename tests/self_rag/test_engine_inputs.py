@@ -347,3 +347,21 @@ def test_no_postprocessors_may_be_said_with_none():
     )
     assert engine.node_postprocessors == []
     assert engine.query("What does the while statement do?").source_nodes
+
+
+@pytest.mark.parametrize("broken", ["gate", "answer"])
+def test_a_critic_that_returns_the_wrong_type_is_named(broken):
+    class Wrong(Recording):
+        def decide_retrieval(self, query, threshold, answer_if_skipped=True):
+            return True if broken == "gate" else super().decide_retrieval(query, threshold)
+
+        def generate(self, query):
+            return None
+
+    mode = "adaptive_retrieval" if broken == "gate" else "no_retrieval"
+    engine = SelfRAGQueryEngine(retriever=FixedRetriever(), critic=Wrong(), mode=mode)
+    expected = "adecide_retrieval must return a RetrievalDecision, got True"
+    if broken == "answer":
+        expected = r"Wrong.agenerate and .ajudge must give text as the answer, got None"
+    with pytest.raises(TypeError, match=expected):
+        engine.query("What does the while statement do?")

@@ -321,14 +321,9 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         ``options`` are the engine's fields (``threshold``, ``w_rel``, ``corrective``, ...).
         """
         return cls(
-            model_path,
-            retriever,
-            model_kwargs=model_kwargs,
-            llm=llm,
-            critic=critic,
-            generator_llm=generator_llm,
-            **options,
-        )
+            model_path, retriever, model_kwargs=model_kwargs, llm=llm, critic=critic,
+            generator_llm=generator_llm, **options,
+        )  # fmt: skip
 
     @classmethod
     def class_name(cls) -> str:
@@ -341,10 +336,8 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         return self._critic
 
     def close(self) -> None:
-        """Free the critic the engine built and the model it loaded (``model_path=``).
-
-        A critic or model the caller passed in stays open: whoever created it closes it.
-        """
+        """Free the critic the engine built and the model it loaded (``model_path=``); a critic
+        or model the caller passed in stays open: whoever created it closes it."""
         if self._owns_critic and self._critic is not None:
             self._critic.close()
         if self._owned_model is not None:
@@ -440,6 +433,10 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             return Outcome(None, [], meta)
         if self.mode == "adaptive_retrieval":
             gate = await self._critic.adecide_retrieval(query, self.threshold, not self.streaming)
+            if not hasattr(gate, "retrieve"):
+                critic = type(self._critic).__name__
+                raise TypeError(f"{critic}.adecide_retrieval must return a RetrievalDecision, "
+                                f"got {gate!r:.80}")  # fmt: skip
             meta["retrieve_prob"] = gate.probability
             meta["trace"].append(
                 dict(step="decide", retrieve=gate.retrieve, probability=gate.probability)
@@ -486,6 +483,9 @@ class SelfRAGQueryEngine(CustomQueryEngine):
 
     def _final(self, answer: str, meta: dict[str, Any]) -> str:
         """The response text: never empty (an empty answer says so, in the text and the trace)."""
+        if not isinstance(answer, str):
+            raise TypeError(f"{type(self._critic).__name__}.agenerate and .ajudge must give text "
+                            f"as the answer, got {answer!r:.80}")  # fmt: skip
         answer = answer.strip()
         if not answer:
             meta["trace"].append({"step": "no_answer", "reason": "the model generated no text"})

@@ -164,10 +164,10 @@ class PromptTokenizer:
 
     def label_ids(self, scale: LabelScale) -> tuple[list[int], list[list[int]]]:
         """``(lead, ids)``: the first-token ids of each label's spellings ("Yes", " Yes", "yes",
-        " yes") read after the prompt and ``lead``; ids shared by two labels are dropped. ``lead``
-        is empty unless a label has no id of its own and all start with the same whitespace
-        tokens (no "▁1" in a SentencePiece vocabulary: "1" is "▁", "1"), whose probability they
-        share."""
+        " yes") read after the prompt and ``lead`` (an id two labels share, or whitespace, is
+        dropped). ``lead`` is empty unless a label has no id of its own and all start with the
+        same whitespace tokens ("1" is "▁", "1" in a SentencePiece vocabulary without "▁1"),
+        whose probability they share."""
         cached = self._label_ids.get(scale.name)
         if cached is None:
             cached = self._first_ids(scale, [])

@@ -37,8 +37,7 @@ def drive(flow: Generator[Any, Any, R], handle: Callable[[Any], Any]) -> R:
         while True:
             request = flow.send(handle(request))
     except StopIteration as done:
-        result: R = done.value
-        return result
+        return done.value
 
 
 async def adrive(flow: Generator[Any, Any, R], handle: Callable[[Any], Awaitable[Any]]) -> R:
@@ -48,8 +47,7 @@ async def adrive(flow: Generator[Any, Any, R], handle: Callable[[Any], Awaitable
         while True:
             request = flow.send(await handle(request))
     except StopIteration as done:
-        result: R = done.value
-        return result
+        return done.value
 
 
 class _LoopThread:

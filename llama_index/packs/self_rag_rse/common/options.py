@@ -37,13 +37,8 @@ def reject_unknown(
 
 def pydantic_fields(cls: Any) -> set[str]:
     """Names a pydantic model accepts as keyword arguments (field names and their aliases)."""
-    names: set[str] = set()
-    for name, info in getattr(cls, "model_fields", {}).items():
-        names.add(name)
-        alias = getattr(info, "alias", None)
-        if alias:
-            names.add(alias)
-    return names
+    fields = getattr(cls, "model_fields", {})
+    return set(fields) | {info.alias for info in fields.values() if getattr(info, "alias", None)}
 
 
 def require_finite(owner: str, **values: float | None) -> None:

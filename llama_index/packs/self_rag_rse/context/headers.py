@@ -15,7 +15,6 @@ excluded from the LLM text). RSE segments carry the header once, before the segm
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Awaitable, Sequence
 from pathlib import PurePath
@@ -51,7 +50,6 @@ from llama_index.packs.self_rag_rse.context.prompts import (
     SECTION_SUMMARY_PROMPT,
 )
 
-logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
 
 TitleSource = Literal["metadata", "heading", "llm", "file_name"]

@@ -10,7 +10,6 @@ starts where the previous one's last section began); documents run concurrently.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,8 +26,6 @@ from llama_index.packs.self_rag_rse.context.partition import (
     window_end,
 )
 from llama_index.packs.self_rag_rse.context.sections import LineIndex, SectionStart
-
-logger = logging.getLogger(__name__)
 
 
 class SectionSpan(BaseModel):

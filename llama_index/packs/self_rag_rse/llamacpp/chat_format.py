@@ -118,8 +118,7 @@ def chat_formatter(llama: llama_cpp.Llama, owner: Any) -> tuple[Formatter, str]:
         if m2p is not None and m2p is not generic_m2p:
 
             def with_messages(template: BasePromptTemplate, values: dict[str, Any]) -> str:
-                messages = with_system(template.format_messages(**values), system)
-                return m2p(messages)
+                return m2p(with_system(template.format_messages(**values), system))
 
             return with_messages, "messages_to_prompt"
         if c2p is not None and c2p is not default_completion_to_prompt:

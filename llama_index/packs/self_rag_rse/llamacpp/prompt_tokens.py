@@ -85,16 +85,14 @@ class PromptTokenizer:
             if compat.is_control_token(self.llama, t)
         }
         runs: list[str | int] = []
+        last = 0
         if controls:
             pattern = "|".join(re.escape(c) for c in sorted(controls, key=len, reverse=True))
-            last = 0
             for match in re.finditer(pattern, text):
                 runs.append(text[last : match.start()])
                 runs.append(controls[match.group(0)])
                 last = match.end()
-            runs.append(text[last:])
-        else:
-            runs.append(text)
+        runs.append(text[last:])
         self._control_runs[text] = runs
         return runs
 

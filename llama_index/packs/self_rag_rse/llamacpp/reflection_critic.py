@@ -312,10 +312,7 @@ class ReflectionCritic(BaseCritic):
             boundary = last in (self.token_ids[RETRIEVAL], self.token_ids[NO_RETRIEVAL])
             stop = "boundary" if boundary else "eos"
         scores = score_generation(
-            out.tracked_logprobs,
-            tokens,
-            out.token_logprobs[: len(tokens)],
-            self._reflection_ids,
+            out.tracked_logprobs, tokens, out.token_logprobs[: len(tokens)], self._reflection_ids
         )
         return Continuation(
             " ".join(self._answer_text(tokens).split()),

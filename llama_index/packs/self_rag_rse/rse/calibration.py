@@ -151,8 +151,7 @@ def calibrate_beta(scores: ArrayLike, a: float, b: float) -> float | FloatArray:
     rerankers; for cosine similarity use :func:`calibrate_minmax` instead. The map is monotone,
     so it never changes the ranking, only how far apart relevant and irrelevant chunks sit.
     """
-    clipped = np.clip(np.asarray(scores, dtype=np.float64), 0.0, 1.0)
-    return beta_cdf(clipped, a, b)
+    return beta_cdf(np.clip(np.asarray(scores, dtype=np.float64), 0.0, 1.0), a, b)
 
 
 @overload

@@ -41,7 +41,7 @@ from llama_index.core.schema import (
     TransformComponent,
 )
 
-from llama_index.packs.self_rag_rse.rse.node_fields import char_span, chunk_index
+from llama_index.packs.self_rag_rse.rse.node_fields import char_span, chunk_index, link, source_hash
 from llama_index.packs.self_rag_rse.rse.stitching import MAX_LINKED_GAP, MAX_STRIPPED_GAP
 
 #: Metadata key holding a chunk's 0-based position within its source document.
@@ -143,7 +143,7 @@ class ChunkIndexer(TransformComponent):
             indices, whole = self._number(doc_id, ordered)
             fallback = _text_hash(ordered) if whole else None
             for node, index in zip(ordered, indices, strict=True):
-                version = _source_hash(node) or fallback or node.metadata.get(CHUNK_VERSION_KEY)
+                version = source_hash(node) or fallback or node.metadata.get(CHUNK_VERSION_KEY)
                 self._stamp(node, index, version)
                 numbered[node.node_id] = (doc_id, index)
         for node in nodes:
@@ -173,7 +173,7 @@ class ChunkIndexer(TransformComponent):
         indices = [0]
         problem = _missing_start(ordered, ids)
         for left, right in itertools.pairwise(ordered):
-            after, before = _link(left, _NEXT), _link(right, _PREVIOUS)
+            after, before = link(left, _NEXT), link(right, _PREVIOUS)
             outside = [i for i in (after, before) if i is not None and i not in ids]
             if not outside or after == right.node_id or before == left.node_id:
                 indices.append(indices[-1] + 1)
@@ -188,7 +188,7 @@ class ChunkIndexer(TransformComponent):
                 )
         if problem is None:
             leads_out = any(
-                _link(n, r) not in (None, *ids) for n in ordered for r in (_NEXT, _PREVIOUS)
+                link(n, r) not in (None, *ids) for n in ordered for r in (_NEXT, _PREVIOUS)
             )
             return indices, not leads_out
         stamped = [chunk_index(node, self.key) for node in ordered]
@@ -232,10 +232,10 @@ def _in_order(members: list[tuple[int, BaseNode]]) -> list[BaseNode]:
 def _missing_start(ordered: list[BaseNode], ids: set[str]) -> str | None:
     """Why the call does not hold the document's first chunk, or ``None`` when it may."""
     first = ordered[0]
-    before = _link(first, _PREVIOUS)
+    before = link(first, _PREVIOUS)
     if before is not None and before not in ids:
         return f"its first chunk here, {first.node_id!r}, links PREVIOUS to {before!r}"
-    if any(_link(n, r) is not None for n in ordered for r in (_NEXT, _PREVIOUS)):
+    if any(link(n, r) is not None for n in ordered for r in (_NEXT, _PREVIOUS)):
         return None  # linked chunks, and the first links to no predecessor: it is the first
     if len(ordered) == 1:
         return None  # splitters link chunks that have neighbours: a lone one is the document
@@ -248,16 +248,6 @@ def _missing_start(ordered: list[BaseNode], ids: set[str]) -> str | None:
     if starts and min(starts) > leading:
         return f"its chunks start at character {min(starts)}, not at the document's start"
     return None
-
-
-def _link(node: BaseNode, relation: NodeRelationship) -> str | None:
-    info = node.relationships.get(relation)
-    return getattr(info, "node_id", None)
-
-
-def _source_hash(node: BaseNode) -> str | None:
-    digest = getattr(node.relationships.get(NodeRelationship.SOURCE), "hash", None)
-    return digest if isinstance(digest, str) and digest else None
 
 
 def _text_hash(ordered: list[BaseNode]) -> str:

@@ -113,10 +113,7 @@ class ChunkSource:
         """Answer ``request`` with the stores' async APIs; a vector store with only a sync
         client is read with it in a worker thread (see ``common/stores.py``)."""
         self.calls += 1
-        reads_store = request.kind != "ref_doc_ids" and not (
-            request.kind == "node_ids" and self.docstore is not None
-        )
-        if reads_store and sync_client(self.vector_store) is not None:
+        if not self._by_docstore(request) and sync_client(self.vector_store) is not None:
             return await in_thread(self.vector_store, self._run, request)
         try:
             if request.kind == "ref_doc_ids":
@@ -176,12 +173,14 @@ class ChunkSource:
             return MetadataFilters(filters=per_document, condition=FilterCondition.OR), needed
         raise ValueError(f"unknown chunk request kind {request.kind!r}")
 
-    def _failed(self, request: ChunkRequest, error: Exception) -> Any:
-        # Name the store that failed: id reads go to the docstore when there is one (see run()).
-        by_docstore = request.kind == "ref_doc_ids" or (
+    def _by_docstore(self, request: ChunkRequest) -> bool:
+        """Whether the docstore answers ``request``: id reads go to it when there is one."""
+        return request.kind == "ref_doc_ids" or (
             request.kind == "node_ids" and self.docstore is not None
         )
-        store = self.docstore if by_docstore else self.vector_store
+
+    def _failed(self, request: ChunkRequest, error: Exception) -> Any:
+        store = self.docstore if self._by_docstore(request) else self.vector_store
         logger.warning(
             "could not read %s from %s (%s: %s); segments will only join chunks already at "
             "hand. Fix: pass a docstore that holds the nodes, or a vector store whose "

@@ -308,10 +308,7 @@ def lay_out(
 
 
 def _stamped(
-    doc_id: str,
-    members: Sequence[BaseNode],
-    indices: Mapping[str, int | None],
-    source: ChunkSource,
+    doc_id: str, members: Sequence[BaseNode], indices: Mapping[str, int | None], source: ChunkSource
 ) -> DocumentLayout:
     """Layout from stamped chunk indices; a hit claiming a position taken is a conflict."""
     positions: dict[str, int] = {}
@@ -355,9 +352,7 @@ def missing_positions(
 
 
 def read_missing(
-    missing: Mapping[str, set[int]],
-    layouts: Mapping[str, DocumentLayout],
-    by_index_ok: bool = True,
+    missing: Mapping[str, set[int]], layouts: Mapping[str, DocumentLayout], by_index_ok: bool = True
 ) -> Generator[ChunkRequest, Any, list[BaseNode]]:
     """Read the ``missing`` chunks: by id where a store listed the document or the chunks have
     stable ids, else by index (also for chunks not found under their stable id, when
@@ -389,9 +384,7 @@ def read_missing(
 
 
 def place_read(
-    read: Sequence[BaseNode],
-    missing: Mapping[str, set[int]],
-    layouts: Mapping[str, DocumentLayout],
+    read: Sequence[BaseNode], missing: Mapping[str, set[int]], layouts: Mapping[str, DocumentLayout]
 ) -> None:
     """Put chunks read back in their place; what was asked for and not read is a hole, and so
     is a position two different chunks were read for (see :meth:`DocumentLayout.choose`).

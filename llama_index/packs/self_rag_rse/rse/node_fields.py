@@ -75,9 +75,18 @@ def node_version(node: BaseNode, key: str) -> str | None:
     stamped = node.metadata.get(key)
     if isinstance(stamped, str) and stamped:
         return stamped
-    source = node.relationships.get(NodeRelationship.SOURCE)
-    digest = getattr(source, "hash", None)
+    return source_hash(node)
+
+
+def source_hash(node: BaseNode) -> str | None:
+    """The document hash LlamaIndex's splitters record on ``node``'s SOURCE relationship."""
+    digest = getattr(node.relationships.get(NodeRelationship.SOURCE), "hash", None)
     return digest if isinstance(digest, str) and digest else None
+
+
+def link(node: BaseNode, relation: NodeRelationship) -> str | None:
+    """Id of the node that ``relation`` (NEXT, PREVIOUS, ...) points at, if any."""
+    return getattr(node.relationships.get(relation), "node_id", None)
 
 
 def char_span(node: BaseNode) -> tuple[int | None, int | None]:

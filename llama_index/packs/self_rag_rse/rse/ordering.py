@@ -18,14 +18,8 @@ from llama_index.core.schema import BaseNode, NodeRelationship
 
 from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_VERSION_KEY
 from llama_index.packs.self_rag_rse.rse.chunk_sources import nodes_by_id
-from llama_index.packs.self_rag_rse.rse.node_fields import char_span, node_version
+from llama_index.packs.self_rag_rse.rse.node_fields import char_span, link, node_version
 from llama_index.packs.self_rag_rse.rse.stitching import find_breaks, suspect_offsets
-
-
-def link(node: BaseNode, relation: NodeRelationship) -> str | None:
-    """Id of the node that ``relation`` (NEXT, PREVIOUS, ...) points at, if any."""
-    info = node.relationships.get(relation)
-    return getattr(info, "node_id", None)
 
 
 def group_by_document(nodes: Sequence[BaseNode]) -> dict[str, list[BaseNode]]:
@@ -93,9 +87,7 @@ def adjacent(left: BaseNode, right: BaseNode) -> bool:
     and both come from the same version of their document."""
     if version_conflict(left, right) is not None:
         return False
-    if link(left, NodeRelationship.NEXT) == right.node_id:
-        return True
-    if link(right, NodeRelationship.PREVIOUS) == left.node_id:
+    if linked(left, right):
         return True
     # Overlapping or touching character spans: the splitter put these chunks side by side.
     (first, end), (start, _) = char_span(left), char_span(right)
@@ -169,8 +161,7 @@ def run_breaks(nodes: Sequence[BaseNode]) -> tuple[dict[int, str], list[bool]]:
 
     Returns ``{i: reason}`` for each boundary between ``nodes[i]`` and ``nodes[i + 1]`` that
     breaks: chunks of two versions of the document, a NEXT/PREVIOUS link naming another node,
-    or offsets the stitch cannot trust and
-    texts that do not overlap (see
+    or offsets the stitch cannot trust and texts that do not overlap (see
     :func:`~llama_index.packs.self_rag_rse.rse.stitching.find_breaks`); and one flag per node
     saying whether its offsets were contradicted.
     """

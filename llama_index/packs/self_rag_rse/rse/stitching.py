@@ -85,8 +85,7 @@ def stitch_chunks(
     Returns one :class:`StitchedText` per run of chunks with no hole between them (a single
     element when every boundary joined); :func:`find_breaks` says why a boundary did not.
     """
-    pieces, _ = _stitch(texts, spans, linked, distrust)
-    return pieces
+    return _stitch(texts, spans, linked, distrust)[0]
 
 
 def find_breaks(
@@ -101,8 +100,7 @@ def find_breaks(
     the offsets leave a gap wider than a splitter strips, or the offsets cannot be trusted and
     the chunks are not linked as neighbours.
     """
-    _, breaks = _stitch(texts, spans, linked, distrust)
-    return breaks
+    return _stitch(texts, spans, linked, distrust)[1]
 
 
 def suspect_offsets(texts: Sequence[str], spans: Sequence[Span]) -> list[bool]:

@@ -350,11 +350,9 @@ def _scan_text(text: str, scale: LabelScale, original: str) -> Reading:
             lo, hi = scale.number_range
             number = lo + number / max(_number(denominator), 1e-9) * (hi - lo)
         score = scale.value_of_number(number)
-        reading = (
-            Reading(score, "parsed")
-            if score is not None
-            else Reading(None, "fallback", f"number {match.group(0)} outside range")
-        )
+        reading = Reading(score, "parsed")
+        if score is None:
+            reading = Reading(None, "fallback", f"number {match.group(0)} outside range")
         found.append((match.start(), -len(match.group(0)), reading))
     if not found:
         if lowered.strip() == "":

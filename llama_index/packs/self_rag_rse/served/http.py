@@ -245,10 +245,7 @@ class JSONClient:
             ) from exc
         if isinstance(event, Mapping) and "error" in event and len(event) <= 2:
             raise ServerHTTPError(
-                f"POST {url} streamed an error: {_clip(json.dumps(event['error']))}",
-                url,
-                200,
-                data,
+                f"POST {url} streamed an error: {_clip(json.dumps(event['error']))}", url, 200, data
             )
         try:
             return parse(event)

@@ -199,8 +199,8 @@ class ServedReflectionCritic(BaseCritic):
             "model": endpoint.model,
             "api_key": endpoint.api_key,
             **({"timeout": endpoint.timeout} if endpoint.timeout else {}),
+            **kwargs,
         }
-        options.update(kwargs)
         return cls(endpoint.base_url, **options)
 
     # --- connecting -------------------------------------------------------------------------------

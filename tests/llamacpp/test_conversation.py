@@ -258,3 +258,24 @@ def test_invalid_requests(tiny_llm: Any) -> None:
         assert conv.run([]) == []
     with pytest.raises(RuntimeError, match="closed"):
         conv.run([Request([1], 1)])
+
+
+def test_split_cache_evens_out_the_prompts_last_runs(tiny_llm: Any) -> None:
+    # Each paragraph's two prompts end in tails of different lengths. llama.cpp would cut
+    # runs of unequal length into one micro-batch of the shorter length from every sequence
+    # and a tiny one of the rest: the longer tail hands its extra tokens to the paragraph's
+    # run instead, so the last prompt decode takes as many tokens from every sequence.
+    first, _ = rounds(tiny_llm)
+    answer, label = (len(r.tokens) - len(first[0].tokens) for r in first[:2])
+    assert answer != label  # " Answer it:" and " Relevant?" differ in length
+    whole = BatchedDecoder(tiny_llm, n_seq_max=8, kv_unified=False, share_prefixes=False)
+    with whole, whole.conversation() as conversation:
+        expected = conversation.run(first)
+    decoder = BatchedDecoder(tiny_llm, n_seq_max=8, kv_unified=False)
+    with decoder, recorded(decoder) as calls, decoder.conversation() as conversation:
+        got = conversation.run(first)
+    for a, b in zip(got, expected, strict=True):
+        assert_same(a, b)
+    last = next(call for call in calls if len({seq for _, seq in call}) == len(first))
+    per_seq = [sum(1 for _, seq in last if seq == s) for s in {seq for _, seq in last}]
+    assert len(set(per_seq)) == 1, per_seq

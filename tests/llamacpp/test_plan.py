@@ -6,6 +6,7 @@ import numpy as np
 
 from llama_index.packs.self_rag_rse.llamacpp.plan import (
     MIN_SHARED_TOKENS,
+    MOST_HANDED,
     Edge,
     Held,
     Plan,
@@ -99,3 +100,27 @@ def test_without_sharing_every_prompt_is_evaluated_whole() -> None:
     p = plan(prompts, {0: Held([*HEAD, 1], np.zeros(2, dtype=np.float32))}, share=False)
     assert evaluated(p) == sum(len(x) for x in prompts)
     assert all(s.source is None for s in p.starts)
+
+
+def test_a_prompts_longer_tail_hands_its_extra_tokens_to_the_shared_run() -> None:
+    # Per paragraph, an answer tail of 5 tokens and a label tail of 8: the label continues
+    # the paragraph in place and hands it its first 3 tokens, so every prompt's last run
+    # holds 5 tokens (one micro-batch on a split cache, where 5 and 8 would make two).
+    para = [list(range(200 + 50 * i, 240 + 50 * i)) for i in range(2)]
+    answer_tail, label_tail = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11, 12, 13]
+    prompts = [HEAD + p + tail for p in para for tail in (answer_tail, label_tail)]
+    p = plan(prompts, {})
+    assign(p, len(prompts), list(range(4)), generating={0, 2})
+    assert evaluated(p) == len(HEAD) + 2 * 40 + 2 * 5 + 2 * 8  # nothing evaluated twice
+    leaves = by_request(p)
+    assert [len(leaves[r].tokens) for r in range(4)] == [5, 5, 5, 5]
+    for r in (1, 3):
+        assert leaves[r].tokens == label_tail[3:] and leaves[r].start == len(HEAD) + 40 + 3
+    paragraphs = [edge for edge in p.edges() if edge.children and edge.tokens != HEAD]
+    for edge, r in zip(paragraphs, (1, 3), strict=True):
+        assert edge.seq == p.seq_of[r] and edge.tokens[-3:] == label_tail[:3]
+    # a run far longer than the others evens nothing out: it is worth a micro-batch of its own
+    long_tail = list(range(60, 60 + MOST_HANDED + 5))
+    p = plan([HEAD + para[0] + answer_tail, HEAD + para[0] + long_tail], {})
+    assign(p, 2, [0, 1], generating={0})
+    assert sorted(len(leaf.tokens) for leaf in by_request(p).values()) == [5, MOST_HANDED + 5]

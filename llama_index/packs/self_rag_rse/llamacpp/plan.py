@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import numpy as np
 from numpy.typing import NDArray
@@ -24,6 +25,8 @@ from numpy.typing import NDArray
 #: evaluations, ``(m - 1) * len(run)``: a separate run costs one more ``llama_decode`` pass over
 #: the weights, about what evaluating a handful of tokens in a bigger batch costs.
 MIN_SHARED_TOKENS = 8
+#: A prompt's run evens out its level by handing at most this many tokens to its parent's run.
+MOST_HANDED = 32
 
 
 @dataclass
@@ -184,8 +187,9 @@ def assign(
     A prompt continuing a held sequence in place keeps its id; the others take ``free_ids`` in
     order, prompts that generate first, so that the sequences decoded step by step hold
     consecutive ids (a split KV cache decodes consecutive ids in one pass). An edge is
-    evaluated in the sequence of one of its leaves (the prompt continuing in place, else the
-    lowest id), so that one child continues it in place and only the others copy it.
+    evaluated in the sequence of one of its leaves (the prompt continuing in place, else one
+    under its longest child), so that one child continues it in place and only the others copy
+    it; then each level's runs are evened out (see :func:`_balance`).
     """
     seq_of: dict[int, int] = {}
     for start in plan_.starts:
@@ -203,13 +207,43 @@ def assign(
     for start in plan_.starts:
         if start.edge is not None:
             _descend(start.edge, start.source if start.takeover else None, seq_of)
+    _balance(plan_)
 
 
 def _descend(edge: Edge, forced: int | None, seq_of: Mapping[int, int]) -> None:
-    ids = _leaf_ids(edge, seq_of)
-    edge.seq = forced if forced is not None else min(ids)
+    # Unforced, an edge goes on in place into its longest child (see balance).
+    leaf = edge
+    while leaf.request is None:
+        leaf = max(leaf.children, key=lambda c: (len(c.tokens), -min(_leaf_ids(c, seq_of))))
+    edge.seq = forced if forced is not None else seq_of[leaf.request]
     for child in edge.children:
         _descend(child, edge.seq if edge.seq in _leaf_ids(child, seq_of) else None, seq_of)
+
+
+def _balance(plan_: Plan) -> None:
+    """Even out each level's runs: on a split KV cache llama.cpp cuts a batch into micro-batches
+    taking as many tokens from each sequence, so runs a few tokens longer than the rest make one
+    more, tiny micro-batch. A leaf continuing its parent in place hands its first ``len -
+    shortest`` tokens (fewer than :data:`MOST_HANDED`) to the parent's run when that leaves fewer
+    distinct run lengths over the two levels."""
+    levels = list(plan_.waves())
+    for above, level in pairwise(levels):
+        shortest = min(len(edge.tokens) for edge, _ in level)
+        moves = [
+            (edge, parent, len(edge.tokens) - shortest)
+            for edge, parent in level
+            if parent is not None and edge.request is not None and edge.seq == parent.seq
+            if 0 < len(edge.tokens) - shortest < MOST_HANDED
+        ]
+        cut = {id(edge): extra for edge, _, extra in moves}
+        grown = {id(parent): extra for _, parent, extra in moves}
+        before = len({len(e.tokens) for e, _ in level}) + len({len(e.tokens) for e, _ in above})
+        after = len({len(e.tokens) - cut.get(id(e), 0) for e, _ in level})
+        after += len({len(e.tokens) + grown.get(id(e), 0) for e, _ in above})
+        if after < before:
+            for edge, parent, extra in moves:
+                parent.tokens += edge.tokens[:extra]
+                edge.tokens, edge.start = edge.tokens[extra:], edge.start + extra
 
 
 def _leaf_ids(edge: Edge, seq_of: Mapping[int, int]) -> set[int]:

@@ -25,7 +25,7 @@ from numpy.typing import NDArray
 #: evaluations, ``(m - 1) * len(run)``: a separate run costs one more ``llama_decode`` pass over
 #: the weights, about what evaluating a handful of tokens in a bigger batch costs.
 MIN_SHARED_TOKENS = 8
-#: A prompt's run evens out its level by handing at most this many tokens to its parent's run.
+#: A prompt's run evens out its level by handing fewer than this many tokens to its parent's run.
 MOST_HANDED = 32
 
 
@@ -211,7 +211,7 @@ def assign(
 
 
 def _descend(edge: Edge, forced: int | None, seq_of: Mapping[int, int]) -> None:
-    # Unforced, an edge goes on in place into its longest child (see balance).
+    # Unforced, an edge goes on in place into its longest child (see _balance).
     leaf = edge
     while leaf.request is None:
         leaf = max(leaf.children, key=lambda c: (len(c.tokens), -min(_leaf_ids(c, seq_of))))

@@ -286,3 +286,13 @@ def test_reader_documents_in_the_splitters_place_are_accepted(markdown: str, tmp
     assert chunks and all(
         texts[c.ref_doc_id][c.start_char_idx : c.end_char_idx] == c.text for c in chunks
     )
+
+
+def test_two_documents_with_one_id_are_refused_naming_it() -> None:
+    # Placed by document id, their chunks would mix: the first's offsets lost, the other's titles.
+    readmes = [
+        Document(text=f"# {name}\n\nHow to use {name}. It is easy.", id_="README.md")
+        for name in ("alpha", "beta")
+    ]
+    with pytest.raises(ValueError, match=r"'README\.md'.*filename_as_id"):
+        DocumentSectioner(splitter=_splitter())(readmes)

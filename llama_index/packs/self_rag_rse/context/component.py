@@ -14,6 +14,7 @@ gives every chunk a SOURCE relationship naming the document it was cut from
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -101,9 +102,13 @@ def source_of(node: BaseNode) -> str | None:
 
 
 def check_documents(component: str, nodes: Sequence[BaseNode]) -> None:
-    """Raise ``ValueError`` if any of ``nodes`` is already a chunk of a document."""
-    chunks = [node for node in nodes if source_of(node) is not None]
-    if chunks:
+    """Raise ``ValueError`` for chunks (not documents), or for documents sharing an id."""
+    if repeated := [i for i, n in Counter(node.node_id for node in nodes).items() if n > 1]:
+        raise ValueError(
+            f"{component} got documents sharing an id ({repeated[0]!r}): their chunks would mix. "
+            "Give each its own id_ (SimpleDirectoryReader(filename_as_id=True)) or pass it once"
+        )
+    if chunks := [node for node in nodes if source_of(node) is not None]:
         first = chunks[0]
         raise ValueError(
             f"{component} got {len(chunks)} node(s) that are already chunks of a document "

@@ -98,3 +98,12 @@ async def test_a_write_cut_short_leaves_the_previous_cache_whole(
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == [CACHE_FILE_NAME]  # no leftovers
     assert await ContextCache.from_dir(tmp_path).aget("titles", old) == {"title": "kept"}
+
+
+def test_the_cache_file_given_for_its_folder_is_an_error_naming_the_folder(tmp_path: Any) -> None:
+    # It used to start empty (every LLM call made again), then fail to write after the work.
+    from llama_index.packs.self_rag_rse import ContextualHeaders
+
+    (tmp_path / CACHE_FILE_NAME).write_text("{}")
+    with pytest.raises(ValueError, match=f"is a file: pass its folder, cache='{tmp_path}'"):
+        ContextualHeaders(cache=str(tmp_path / CACHE_FILE_NAME))

@@ -53,6 +53,10 @@ class ContextCache:
     def from_dir(cls, folder: str | os.PathLike[str]) -> ContextCache:
         """A cache kept in ``folder`` (created when missing), loaded if it exists; a damaged
         file is warned about (with its path) and the cache starts empty."""
+        if Path(folder).is_file():  # it would be ignored, then be unwritable after the LLM work
+            raise ValueError(
+                f"cache {str(folder)!r} is a file: pass its folder, cache='{Path(folder).parent}'"
+            )
         path = Path(folder) / CACHE_FILE_NAME
         return cls(_load(path), persist_path=str(path))
 

@@ -11,6 +11,7 @@ from llama_index.core.evaluation import BaseEvaluator
 from llama_index.core.evaluation import EvaluationResult as Judged
 
 from llama_index.packs.self_rag_rse.evaluation import JudgementError, Question, evaluate, runner
+from llama_index.packs.self_rag_rse.evaluation.report import write_report
 from llama_index.packs.self_rag_rse.evaluation.runner import ResultCache
 
 DOC = "The while loop repeats a suite. The else clause runs when the loop ends normally."
@@ -378,3 +379,18 @@ def test_a_cache_that_is_a_folder_is_an_error_naming_it(tmp_path):
     (tmp_path / "cache.jsonl").mkdir()
     with pytest.raises(ValueError, match=r"cache\.jsonl is a folder"):
         ResultCache(tmp_path / "cache.jsonl")
+
+
+def test_one_question_asked_of_two_documents_is_scored_against_each(fixed_engine, tmp_path):
+    # Cached under the question alone, the second took the first's evidence scores.
+    documents = {"a.txt": "Alpha. The colour is red.", "b.txt": "Beta. The colour is blue."}
+    questions = [
+        Question("What is the colour?", "a.txt", "The colour is red."),
+        Question("What is the colour?", "b.txt", "The colour is blue."),
+    ]
+    engine = fixed_engine(answers={}, sources=[("a.txt", 0, 25, documents["a.txt"])])
+    for _ in range(2):  # and again from the cache
+        result = run({"a": engine}, questions, documents=documents, cache=tmp_path / "c.jsonl")
+        recall = [(r.document, r.metrics["evidence_recall"]) for r in result.records]
+        assert recall == [("a.txt", 1.0), ("b.txt", 0.0)]
+    assert "- Questions: 2" in write_report(result, tmp_path, plot=False)["report"].read_text()

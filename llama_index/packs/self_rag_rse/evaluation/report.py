@@ -119,7 +119,7 @@ def write_report(
     if settings.get("command"):
         parts += ["Command:", "", "```bash", str(settings["command"]), "```", ""]
     source = f" (`{settings['questions_file']}`)" if settings.get("questions_file") else ""
-    parts.append(f"- Questions: {len({r.question for r in result.records})}{source}")
+    parts.append(f"- Questions: {len(result.records) // max(1, len(result.engines))}{source}")
     parts += [f"- {title}: {_text(settings[k])}" for k, title in SETUP.items() if settings.get(k)]
     judge = settings.get("judge") or {"identity": "none (evidence, latency and model calls only)"}
     parts.append(f"- Judge: {judge['identity']}")

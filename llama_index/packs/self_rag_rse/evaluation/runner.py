@@ -102,7 +102,8 @@ async def aevaluate(
     with ModelCallCounter() as counter:
         for question, name, engine in get_tqdm_iterable(pairs, progress, "answering"):
             record = Record(question.question, name, "", None, None, reference=question.reference)
-            record.document, key = question.document, (settings_key, question.question, name)
+            gold = tuple(map(str, question.evidence_span or ()))  # the evidence scores' gold
+            record.document, key = question.document, (settings_key, question.question, name, *gold)
             records.append(record)
             value = store.get("answer", key)
             record.cached = value is not None

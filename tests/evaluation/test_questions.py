@@ -205,3 +205,14 @@ def test_a_document_not_in_utf8_names_file_line_and_fix(docs):
 def test_a_question_file_that_is_a_folder_says_so(tmp_path):
     with pytest.raises(ValueError, match=r"--qa .* is a folder: pass a \.jsonl file"):
         load_questions(tmp_path)
+
+
+def test_files_saved_on_windows_are_read(docs, tmp_path):
+    # NOTES.TXT was left out of the index unsaid; a BOM made the first question line "not JSON".
+    (docs / "NOTES.TXT").write_text("Herons wade in shallow water.")
+    qa = tmp_path / "qa.jsonl"
+    line = {"question": "Where do herons wade?", "document": "NOTES.TXT", "evidence": "Herons"}
+    qa.write_bytes(json.dumps(line).encode("utf-8-sig"))
+    documents = read_documents(docs)
+    assert documents["NOTES.TXT"] == "Herons wade in shallow water."
+    assert load_questions(qa, documents)[0].evidence_span == ("NOTES.TXT", 0, 6)

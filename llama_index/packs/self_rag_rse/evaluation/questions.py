@@ -18,6 +18,7 @@ Span = tuple[str, int, int]
 _KEYS = {"question", "document", "evidence", "reference"}
 #: Node metadata keys that may name a node's document, tried in order (then ``ref_doc_id``).
 DOCUMENT_KEYS = ("segment_document_id", "file_path", "file_name")
+TEXT_SUFFIXES = (".txt", ".md")
 
 
 @dataclass(frozen=True)
@@ -33,21 +34,21 @@ class Question:
 
 
 def read_documents(folder: str | Path) -> dict[str, str]:
-    """The ``.txt``/``.md`` files under ``folder`` (UTF-8), keyed by relative path (``a/b.txt``)."""
+    """The ``.txt``/``.md`` files (any case) under ``folder`` (UTF-8), keyed by relative path."""
     root = Path(folder)
     if not root.is_dir():
         raise ValueError(f"--docs {root} is not a folder: pass a folder of .txt or .md files")
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".txt", ".md"))
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
     if not files:
         raise ValueError(f"no .txt or .md files under {root}: pass --docs with some text files")
     return {p.relative_to(root).as_posix(): read_utf8(p, "--docs") for p in files}
 
 
 def read_utf8(path: Path, flag: str) -> str:
-    """``path``'s text; another encoding raises ``ValueError`` naming the file, line and fix."""
+    """``path``'s text (BOM dropped); another encoding: ``ValueError`` naming file, line, fix."""
     data = path.read_bytes()
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as error:
         line = data[: error.start].count(b"\n") + 1
         source = "UTF-16" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else "LATIN1"

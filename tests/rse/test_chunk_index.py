@@ -221,3 +221,17 @@ def test_batches_keep_the_version_stamped_on_the_whole_document(split):
     (version,) = {n.metadata[CHUNK_VERSION_KEY] for n in nodes}
     batches = [ChunkIndexer()(batch) for batch in _batches(nodes, 4)]
     assert {n.metadata[CHUNK_VERSION_KEY] for batch in batches for n in batch} == {version}
+
+
+def test_two_documents_sharing_an_id_are_refused_naming_it():
+    from llama_index.core import Document
+    from llama_index.core.node_parser import SentenceSplitter
+
+    # Numbered as one document, RSE would join the two documents' chunks into one segment.
+    documents = [
+        Document(text="Alpha one. Alpha two.", id_="same"),
+        Document(text="Beta one. Beta two.", id_="same"),
+    ]
+    chunks = SentenceSplitter(chunk_size=8, chunk_overlap=0)(documents)
+    with pytest.raises(ValueError, match=r"'same'.*filename_as_id"):
+        ChunkIndexer()(chunks)

@@ -78,7 +78,8 @@ class ChunkIndexer(TransformComponent):
     splitter's) when any node lacks an offset. Both keys are excluded from the text that is
     embedded and shown to the LLM, so adding them changes neither embeddings nor prompts. Nodes
     without a source document are left alone, but a whole ``Document`` (the splitter has not
-    run: nothing to number) raises ``ValueError`` naming the fix.
+    run: nothing to number), or chunks of two documents (two hashes) with one id, raise
+    ``ValueError`` naming the fix.
 
     A call must hold whole documents. Where it holds part of one (its first chunk here links
     PREVIOUS to a node not in the call; or, with no links, its chunks start further in than a
@@ -137,6 +138,7 @@ class ChunkIndexer(TransformComponent):
         for arrival, node in enumerate(nodes):
             if node.ref_doc_id is not None and first.setdefault(node.node_id, node) is node:
                 by_document[node.ref_doc_id].append((arrival, node))
+        _refuse_shared_ids(by_document)
         numbered: dict[str, tuple[str, int]] = {}  # node id -> (document id, chunk index)
         for doc_id, members in by_document.items():
             ordered = _in_order(members)
@@ -218,6 +220,19 @@ def _refuse_documents(nodes: Sequence[BaseNode]) -> None:
             "DocumentSectioner): IngestionPipeline(transformations=[SentenceSplitter(), "
             "ChunkIndexer(), embed_model])"
         )
+
+
+def _refuse_shared_ids(by_document: dict[str, list[tuple[int, BaseNode]]]) -> None:
+    """Raise when chunks of different documents (SOURCE hashes differ) share one document id:
+    numbered as one document, RSE would join them into one segment."""
+    for doc_id, members in by_document.items():
+        if len({source_hash(node) for _, node in members} - {None}) > 1:
+            raise ValueError(
+                f"ChunkIndexer got chunks of different documents sharing the id {doc_id!r} "
+                "(their SOURCE hashes differ): numbered as one document, RSE would join them "
+                "into one segment. Give each document its own id_ "
+                "(SimpleDirectoryReader(filename_as_id=True)), or pass one version of it"
+            )
 
 
 def _in_order(members: list[tuple[int, BaseNode]]) -> list[BaseNode]:

@@ -13,6 +13,7 @@ from llama_index.core.schema import MetadataMode
 from llama_index.packs.self_rag_rse import ChunkIndexer, ContextualHeaders, DocumentSectioner
 from llama_index.packs.self_rag_rse.context.cache import ContextCache
 from llama_index.packs.self_rag_rse.context.keys import HEADER_KEY
+from llama_index.packs.self_rag_rse.context.segment_header import segment_header
 
 
 def _chunks(markdown: str, **metadata: Any) -> list[Any]:
@@ -128,3 +129,11 @@ def test_chunks_of_a_plain_splitter_get_headers(markdown: str) -> None:
     document = Document(text=markdown, id_="herons", metadata={"file_name": "herons.md"})
     nodes = pipeline.run(documents=[document])
     assert nodes and all(n.metadata[HEADER_KEY] == "Document: herons" for n in nodes)
+
+
+def test_a_section_path_given_as_text_is_one_section() -> None:
+    # A reader may set section_path to a string; it is one title, not a path of letters.
+    document = Document(text="x.", metadata={"section_path": "Intro", "title": "T"})
+    (node,) = ContextualHeaders()(SentenceSplitter()([document]))
+    assert node.metadata[HEADER_KEY] == "Document: T\nSection: Intro"
+    assert segment_header(node) == "Document: T\nSection: Intro"  # the segment's header too

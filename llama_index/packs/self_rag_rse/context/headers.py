@@ -41,8 +41,8 @@ from llama_index.packs.self_rag_rse.context.keys import (
     DOCUMENT_TITLE_KEY,
     HEADER_KEY,
     SECTION_INDEX_KEY,
-    SECTION_PATH_KEY,
     SECTION_SUMMARY_KEY,
+    section_path,
 )
 from llama_index.packs.self_rag_rse.context.prompts import (
     DOCUMENT_SUMMARY_PROMPT,
@@ -216,7 +216,7 @@ class ContextualHeaders(ContextComponent):
         return ""
 
     async def _llm_section_summary(self, title: str, members: list[BaseNode]) -> str:
-        label = section_label(members[0].metadata.get(SECTION_PATH_KEY) or [])
+        label = section_label(section_path(members[0].metadata))
         if not label:
             return ""
         return await self._ask(
@@ -254,7 +254,7 @@ class ContextualHeaders(ContextComponent):
     def _write(
         self, node: BaseNode, title: str, summary: str | None, section_summary: str | None
     ) -> None:
-        path = (node.metadata.get(SECTION_PATH_KEY) or []) if self.include_section else []
+        path = section_path(node.metadata) if self.include_section else ()
         header = compose_header(
             title, summary, path, section_summary if self.include_section else None
         )
@@ -282,13 +282,13 @@ def _by_document(nodes: Sequence[BaseNode]) -> dict[str, list[BaseNode]]:
 
 def _section_of(node: BaseNode) -> Any:
     index = node.metadata.get(SECTION_INDEX_KEY)
-    return index if index is not None else tuple(node.metadata.get(SECTION_PATH_KEY) or ())
+    return index if index is not None else section_path(node.metadata)
 
 
 def _by_section(members: list[BaseNode]) -> dict[Any, list[BaseNode]]:
     sections: dict[Any, list[BaseNode]] = {}
     for node in members:
-        if node.metadata.get(SECTION_PATH_KEY):
+        if section_path(node.metadata):
             sections.setdefault(_section_of(node), []).append(node)
     return sections
 

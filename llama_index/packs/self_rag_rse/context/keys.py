@@ -1,4 +1,4 @@
-"""Metadata keys written by the context components, in one place.
+"""Metadata keys written by the context components, in one place, and a reader of the section path.
 
 The sectioner writes the ``section_*`` keys and ``document_heading`` on every chunk; the header
 component writes ``document_title``, the summaries and ``context_header``; RSE's segment nodes get
@@ -8,6 +8,9 @@ segment).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 #: Title of the chunk's innermost section (``""`` for text before the first heading).
 SECTION_TITLE_KEY = "section_title"
@@ -41,3 +44,14 @@ SECTION_KEYS = (
     SECTION_SOURCE_KEY,
     DOCUMENT_HEADING_KEY,
 )
+
+
+def section_path(metadata: Mapping[str, Any]) -> tuple[str, ...]:
+    """The section path in ``metadata``: a list or tuple of texts; a text (set by a reader, not
+    the sectioner) is one title; anything else (numpy arrays included) is no path."""
+    value = metadata.get(SECTION_PATH_KEY)
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) for p in value):
+        return ()
+    return tuple(value)

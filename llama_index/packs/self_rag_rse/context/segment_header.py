@@ -20,8 +20,8 @@ from llama_index.packs.self_rag_rse.context.compose import compose_segment_heade
 from llama_index.packs.self_rag_rse.context.keys import (
     DOCUMENT_SUMMARY_KEY,
     DOCUMENT_TITLE_KEY,
-    SECTION_PATH_KEY,
     SEGMENT_HEADER_KEY,
+    section_path,
 )
 
 
@@ -37,7 +37,7 @@ def segment_header(node: BaseNode, members: Sequence[BaseNode] = ()) -> str:
     first = sources[0].metadata
     title = _text(first, DOCUMENT_TITLE_KEY) or _text(node.metadata, DOCUMENT_TITLE_KEY)
     summary = _text(first, DOCUMENT_SUMMARY_KEY) or _text(node.metadata, DOCUMENT_SUMMARY_KEY)
-    paths = [_path(m.metadata) for m in sources]
+    paths = [section_path(m.metadata) for m in sources]
     return compose_segment_header(title, summary, [p for p in paths if p])
 
 
@@ -46,14 +46,6 @@ def _text(metadata: dict[str, Any], key: str) -> str | None:
     header text, and are never tested for truth)."""
     value = metadata.get(key)
     return value if isinstance(value, str) and value.strip() else None
-
-
-def _path(metadata: dict[str, Any]) -> tuple[str, ...]:
-    """The section path: a list or tuple of texts, else empty."""
-    value = metadata.get(SECTION_PATH_KEY)
-    if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) for p in value):
-        return ()
-    return tuple(value)
 
 
 def add_segment_header(node: BaseNode, members: Sequence[BaseNode] = ()) -> BaseNode:

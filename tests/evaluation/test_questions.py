@@ -216,3 +216,15 @@ def test_files_saved_on_windows_are_read(docs, tmp_path):
     documents = read_documents(docs)
     assert documents["NOTES.TXT"] == "Herons wade in shallow water."
     assert load_questions(qa, documents)[0].evidence_span == ("NOTES.TXT", 0, 6)
+
+
+def test_a_document_name_matching_two_files_names_both(tmp_path):
+    folder = tmp_path / "docs"
+    for name in ("a", "b"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "README.md").write_text(f"About {name}.")
+    qa = write(tmp_path / "qa.jsonl", [{"question": "q", "document": "README.md"}])
+    with pytest.raises(ValueError, match=r"line 1: document 'README\.md'") as info:
+        load_questions(qa, read_documents(folder))
+    assert "a/README.md, b/README.md" in str(info.value)
+    assert "path relative to --docs" in str(info.value) and "not a file" not in str(info.value)

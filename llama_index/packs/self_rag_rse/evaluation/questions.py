@@ -124,6 +124,11 @@ def _parse(item: object, documents: Mapping[str, str] | None) -> Question:
         raise ValueError('"evidence" needs "document" (the file it is copied from)')
     if documents is not None and document:
         if (name := resolve_document(document, documents)) is None:
+            if same := [key for key in documents if Path(key).name == Path(document).name]:
+                raise ValueError(
+                    f"document {document!r} matches {len(same)} files in --docs "
+                    f"({', '.join(same)}): give its path relative to --docs, e.g. {same[0]!r}"
+                )
             raise ValueError(f"document {document!r} is not a file in --docs")
         found = find_span(documents[name], evidence) if evidence else None
         if evidence and found is None:

@@ -228,3 +228,16 @@ def test_a_document_name_matching_two_files_names_both(tmp_path):
         load_questions(qa, read_documents(folder))
     assert "a/README.md, b/README.md" in str(info.value)
     assert "path relative to --docs" in str(info.value) and "not a file" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", [0, False, [], {}])
+def test_a_false_like_field_that_is_no_string_is_refused(docs, tmp_path, value):
+    # `item.get(k) or ""` let these pass as empty text: the evidence was dropped without a word.
+    for key in ("question", "evidence", "document", "reference"):
+        line = {"question": "q", "document": "loops.txt", key: value}
+        with pytest.raises(ValueError, match=f'line 1: "{key}" must be a string'):
+            load_questions(write(tmp_path / "qa.jsonl", [line]), read_documents(docs))
+    # null says "none", like a missing key.
+    none = write(tmp_path / "qa.jsonl", [{"question": "q", "evidence": None}])
+    (question,) = load_questions(none)
+    assert question.evidence is None

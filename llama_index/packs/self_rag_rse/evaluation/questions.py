@@ -115,7 +115,7 @@ def _parse(item: object, documents: Mapping[str, str] | None) -> Question:
         raise ValueError("each line must be a JSON object")
     if unknown := sorted(set(item) - _KEYS):
         raise ValueError(f"unknown key(s) {unknown}; allowed: {sorted(_KEYS)}")
-    if wrong := [k for k in sorted(_KEYS) if not isinstance(item.get(k) or "", str)]:
+    if wrong := [k for k in sorted(_KEYS) if not isinstance(item.get(k), (str, type(None)))]:
         raise ValueError(f'"{wrong[0]}" must be a string')
     if not (item.get("question") or "").strip():
         raise ValueError('no "question" (a non-empty string)')

@@ -191,8 +191,7 @@ def find_source(llama_pack_url: str | os.PathLike[str] | None = None) -> PackSou
             if candidate.is_file() and _belongs_to_pack(root):
                 project_files[filename] = candidate
                 break
-    missing = [f for f in REQUIRED_PROJECT_FILES if f not in project_files]
-    if missing:
+    if missing := [f for f in REQUIRED_PROJECT_FILES if f not in project_files]:
         raise FileNotFoundError(
             f"Cannot copy a self-contained project from {origin}: {', '.join(missing)} not found "
             f"in {' or '.join(str(r) for r in roots)}. Install the pack from its repository or "
@@ -305,8 +304,7 @@ def missing_requirements(pyproject: Path, extras: Sequence[str] = ()) -> list[st
     """Requirements of ``pyproject`` (and its ``extras``) the running environment lacks."""
     project = _read_toml(pyproject).get("project", {})
     groups: dict[str, list[str]] = project.get("optional-dependencies", {})
-    unknown = [e for e in extras if e not in groups]
-    if unknown:
+    if unknown := [e for e in extras if e not in groups]:
         raise ValueError(
             f"Unknown extra {', '.join(map(repr, unknown))}; "
             f"valid extras: {', '.join(sorted(groups))}"
@@ -387,8 +385,7 @@ def _refuse_symlinks(dest: Path, plan: dict[Path, Path]) -> None:
                 linked[part] = (dest / part).is_symlink()
             if linked[part]:
                 break  # what lies beyond is another folder's business
-    links = [dest / part for part, is_link in linked.items() if is_link]
-    if links:
+    if links := [dest / part for part, is_link in linked.items() if is_link]:
         shown = ", ".join(f"{link} -> {os.readlink(link)}" for link in links[:5])
         more = f" and {len(links) - 5} more" if len(links) > 5 else ""
         raise ValueError(

@@ -154,8 +154,7 @@ class SerialWorker:
     async def run(self, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """Run ``func(*args, **kwargs)`` on the worker thread and await its result."""
         loop = asyncio.get_running_loop()
-        context = contextvars.copy_context()
-        call = functools.partial(context.run, func, *args, **kwargs)
+        call = functools.partial(contextvars.copy_context().run, func, *args, **kwargs)
         return await loop.run_in_executor(self._ensure(), call)
 
     def _ensure(self) -> concurrent.futures.ThreadPoolExecutor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from llama_index.core.bridge.pydantic import PrivateAttr
@@ -41,10 +41,6 @@ class ContextUsage:
     seconds: float = 0.0
     rejected: list[str] = field(default_factory=list)
     repairs: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-able copy."""
-        return asdict(self)
 
 
 class ContextComponent(TransformComponent):

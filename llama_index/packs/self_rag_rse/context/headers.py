@@ -314,9 +314,8 @@ def _joined_text(members: list[BaseNode]) -> str:
 
 
 def _file_title(members: list[BaseNode]) -> str:
-    metadata = members[0].metadata
     for key in ("file_name", "file_path", "filename", "source"):
-        value = metadata.get(key)
+        value = members[0].metadata.get(key)
         if isinstance(value, str) and value.strip():
             stem = PurePath(value).stem or value
             return " ".join(stem.replace("_", " ").replace("-", " ").split())

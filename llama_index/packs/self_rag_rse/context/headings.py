@@ -125,8 +125,7 @@ def _is_document_title(index: LineIndex, headings: list[Heading]) -> bool:
     first = headings[0]
     if any(not index.is_blank(i) for i in range(first.first_line)):
         return False
-    same_level = [h for h in headings if h.level <= first.level and h.kind == first.kind]
-    return len(same_level) == 1
+    return len([h for h in headings if h.level <= first.level and h.kind == first.kind]) == 1
 
 
 def _is_title(text: str) -> bool:
@@ -195,8 +194,7 @@ def _numbered_headings(
             and title[-1] not in ".,;:?!"
             and _followed_by_text(index, i)
         ):
-            depth = len(match.group(1).split("."))
-            out.append((i, i, line.strip(), depth, "numbered"))
+            out.append((i, i, line.strip(), len(match.group(1).split(".")), "numbered"))
     return out
 
 

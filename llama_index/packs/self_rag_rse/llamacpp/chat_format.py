@@ -59,8 +59,7 @@ def load_gguf(
     Whoever loads the model closes it: ``compat.llama_of(llm).close()``.
     """
     compat.import_llama_cpp("a GGUF model")
-    llms = optional_import("llama_index.llms.llama_cpp", "a GGUF model")
-    llm = llms.LlamaCPP(
+    llm = optional_import("llama_index.llms.llama_cpp", "a GGUF model").LlamaCPP(
         model_path=str(path if path is not None else bundled_gguf()),
         temperature=0.0,
         max_new_tokens=max_new_tokens,

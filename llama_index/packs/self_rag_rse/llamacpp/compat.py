@@ -109,8 +109,7 @@ def on_close(llama: llama_cpp.Llama, callback: Callable[[], None]) -> bool:
     reference: when both become garbage together (a script's globals at exit, a reference
     cycle), the garbage collector clears weak references before it frees the model.
     """
-    wrapper = getattr(llama, "_model", None)
-    stack = getattr(wrapper, "_exit_stack", None)
+    stack = getattr(getattr(llama, "_model", None), "_exit_stack", None)
     if stack is None:
         stack = getattr(llama, "_stack", None)
     if stack is None:

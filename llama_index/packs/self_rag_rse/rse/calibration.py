@@ -173,8 +173,7 @@ def calibrate_minmax(scores: ArrayLike, low: float, high: float) -> float | Floa
         )
     # A score near the float limit overflows to inf here, which clips to 1 like any high score.
     with np.errstate(over="ignore"):
-        scaled = (np.asarray(scores, dtype=np.float64) - low) / (high - low)
-    clipped = np.clip(scaled, 0.0, 1.0)
+        clipped = np.clip((np.asarray(scores, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
     return float(clipped) if clipped.ndim == 0 else clipped
 
 

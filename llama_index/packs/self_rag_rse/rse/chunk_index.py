@@ -210,8 +210,7 @@ class ChunkIndexer(TransformComponent):
 def _refuse_documents(nodes: Sequence[BaseNode]) -> None:
     """Raise when the call holds whole documents: ChunkIndexer was put before the splitter (or
     the splitter was left out), and would stamp nothing without a word."""
-    documents = [n for n in nodes if isinstance(n, Document) and n.ref_doc_id is None]
-    if documents:
+    if documents := [n for n in nodes if isinstance(n, Document) and n.ref_doc_id is None]:
         raise ValueError(
             f"ChunkIndexer got {len(documents)} whole document(s) (e.g. "
             f"{documents[0].node_id!r}, a Document with no source document): it numbers the "

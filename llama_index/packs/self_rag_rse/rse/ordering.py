@@ -70,8 +70,7 @@ def by_version(ordered: Sequence[BaseNode], hits: Sequence[BaseNode]) -> list[Ba
     Sorting two versions by offset interleaves them (both have a chunk at every offset); no
     segment may mix versions, and the chunks between two hits are of the hits' version.
     """
-    versions = {node_version(n, CHUNK_VERSION_KEY) for n in ordered}
-    if len(versions) <= 1:
+    if len({node_version(n, CHUNK_VERSION_KEY) for n in ordered}) <= 1:
         return list(ordered)
     wanted = list(dict.fromkeys(node_version(h, CHUNK_VERSION_KEY) for h in hits))
     grouped: dict[str | None, list[BaseNode]] = {v: [] for v in wanted}

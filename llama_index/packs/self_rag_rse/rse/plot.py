@@ -53,8 +53,7 @@ def plot_segments(
     fig = figure_module.Figure(figsize=(max(6.0, min(24.0, len(data) * 0.12)), 3.2))
     agg.FigureCanvasAgg(fig)  # attaches itself to the figure: savefig renders with Agg
     ax = fig.add_subplot()
-    colors = np.where(data >= 0, "#2b7bba", "#c44e52")
-    ax.bar(np.arange(len(data)), data, width=0.85, color=colors)
+    ax.bar(np.arange(len(data)), data, width=0.85, color=np.where(data >= 0, "#2b7bba", "#c44e52"))
     for start, end in segments or []:
         ax.axvspan(start - 0.5, end - 0.5, color="#f2c14e", alpha=0.35, lw=0)
     for split in splits[:-1]:

@@ -194,8 +194,7 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
             holes = [hole for doc_id in docs for hole in layouts[doc_id].holes]
             extraction = SegmentExtraction(regions, segments, passthrough, holes=holes)
         if budget is not None:
-            spares = self._spares(hits, values_of, layouts) if hits else iter(())
-            budget.fit(extraction, spares)
+            budget.fit(extraction, self._spares(hits, values_of, layouts) if hits else iter(()))
         if self.output == "segments":
             extraction.segments = drop_given_text(extraction.segments)
         return self._finish(extraction, nodes, hits, budget)

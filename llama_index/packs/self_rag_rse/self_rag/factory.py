@@ -39,9 +39,8 @@ class BuiltCritic:
 def load_llama(model_path: str, model_kwargs: Mapping[str, Any] | None = None) -> Any:
     """A ``llama_cpp.Llama`` on the GGUF at ``model_path`` (:data:`DEFAULT_MODEL_KWARGS` under
     ``model_kwargs``); the engine's ``model_path=`` loads through here."""
-    llama_cpp = import_llama_cpp("model_path")
     kwargs = {**DEFAULT_MODEL_KWARGS, **dict(model_kwargs or {})}
-    return llama_cpp.Llama(model_path=str(model_path), **kwargs)
+    return import_llama_cpp("model_path").Llama(model_path=str(model_path), **kwargs)
 
 
 def _backend(model: Any, max_new_tokens: int) -> CriticBackend:

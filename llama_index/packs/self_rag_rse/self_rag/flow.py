@@ -91,9 +91,7 @@ async def passages(
         entry.update(retrieved=retrieved.retrieved, dropped_by=retrieved.dropped_by)
         entry["reason"] = retrieved.note
     parts.trace.append(entry)
-    empty = [n.node.node_id for n in nodes if not node_text(n).strip()]
-    if empty:
-        # Nothing to judge or to answer from: skip, and say so.
+    if empty := [n.node.node_id for n in nodes if not node_text(n).strip()]:
         parts.trace.append(dict(step="skip_empty", node_ids=empty, reason="paragraph has no text"))
         if seen is not None:
             seen.update(empty)

@@ -198,8 +198,7 @@ class PromptedCritic(BaseCritic):
             raise scored
         if scored.method == "logprobs":
             probability: float | None = scored.score
-            cut = 0.5 if threshold is None else threshold
-            retrieve = scored.score > cut
+            retrieve = scored.score > (0.5 if threshold is None else threshold)
         else:
             probability = None
             retrieve = scored.score >= 0.5
@@ -271,8 +270,7 @@ def _judgement(item: ParagraphResult) -> ParagraphJudgement:
     assert isinstance(item.answer, Generated)
     scores = {k: v for k, v in item.scores.items() if isinstance(v, Scored)}
     details: dict[str, Any] = {name: scores[name].method for name in scores}
-    notes = {name: s.note for name, s in scores.items() if s.note}
-    if notes:
+    if notes := {name: s.note for name, s in scores.items() if s.note}:
         details["notes"] = notes
     counts = [item.answer.generated_tokens, *(s.generated_tokens for s in scores.values())]
     if all(c is not None for c in counts):

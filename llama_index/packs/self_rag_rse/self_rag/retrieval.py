@@ -36,8 +36,7 @@ def paragraph_text(item: NodeWithScore, title_key: str | Sequence[str] | None) -
     """The paragraph the critic reads: an optional title line (the first non-empty value of the
     ``title_key`` metadata keys), then the node's text."""
     text = node_text(item)
-    keys = [title_key] if isinstance(title_key, str) else (title_key or [])
-    for key in keys:
+    for key in [title_key] if isinstance(title_key, str) else (title_key or []):
         title = item.node.metadata.get(key)
         if title is not None and str(title).strip():
             return f"{str(title).strip()}\n{text}"

@@ -200,8 +200,7 @@ class OpenAIAPI:
             return {t: t for t in SELF_RAG_SPECIAL_TOKENS}
         if len(tail) == n and sum(1 for k in tail if k == "") > n // 2:
             raise ReflectionTokensUnidentifiable(self._unidentifiable())
-        missing = [t for t in SELF_RAG_SPECIAL_TOKENS if t not in found]
-        raise MissingReflectionTokens(missing, found)
+        raise MissingReflectionTokens([t for t in SELF_RAG_SPECIAL_TOKENS if t not in found], found)
 
     def _unidentifiable(self) -> str:
         return (

@@ -474,9 +474,8 @@ class ServedReflectionCritic(BaseCritic):
         needs = group_needs(info, completion.keys, len(completion.positions))
         details = await self._followups.complete_positions(backend, info, prompt, completion, needs)
         scores = scores_of(info, completion, len(completion.positions))
-        answer = await answer_of(backend, info, completion)
         return ParagraphJudgement(
-            answer=answer,
+            answer=await answer_of(backend, info, completion),
             relevance=scores.relevance,
             support=scores.support,
             utility=scores.utility,

@@ -233,6 +233,22 @@ def test_a_generator_of_hits_gives_what_the_list_gives(doc_nodes, docstore_with)
     assert [r.node.get_content() for r in again] == expected
 
 
+def test_a_node_given_twice_is_ranked_by_its_best_score(doc_nodes, docstore_with):
+    """Two retrievers' lists joined: the weaker copy of the top hit came first and was kept, so
+    RSE dropped the top hit (only chunk 4 came back)."""
+    nodes = doc_nodes("doc", 10)
+    rse = RelevantSegmentPostprocessor(docstore=docstore_with(nodes), calibration="raw")
+    hits = [NodeWithScore(node=nodes[2], score=0.9), NodeWithScore(node=nodes[4], score=0.8)]
+    expected = [(r.node.get_content(), r.score) for r in rse.postprocess_nodes(hits)]
+    assert "doc-000002" in expected[0][0]
+    for weak in (0.1, None):
+        joined = [NodeWithScore(node=nodes[2], score=weak), *hits]
+        got = [(r.node.get_content(), r.score) for r in rse.postprocess_nodes(joined)]
+        assert got == expected
+        again = asyncio.run(rse.apostprocess_nodes(joined))
+        assert [(r.node.get_content(), r.score) for r in again] == expected
+
+
 def test_single_node_without_store_is_its_own_segment(doc_nodes):
     node = doc_nodes("solo", 1)[0]
     result = RelevantSegmentPostprocessor(calibration="raw").postprocess_nodes(

@@ -242,12 +242,14 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
         """Deduplicate, rank by score and turn scores into chunk values: returns the hits with
         a source document, their values by node id (best first: ties go by rank), and the
         nodes that pass through."""
-        first: dict[str, NodeWithScore] = {}
-        for item in nodes:
-            first.setdefault(item.node.node_id, item)
-        unique = list(first.values())
+        reject_nan([item.score for item in nodes])
+        best: dict[str, NodeWithScore] = {}
+        for item in nodes:  # a node given twice (two retrievers' lists joined): its best score
+            kept = best.setdefault(item.node.node_id, item)
+            if item.score is not None and (kept.score is None or item.score > kept.score):
+                best[item.node.node_id] = item
+        unique = list(best.values())
         scores = [item.score for item in unique]
-        reject_nan(scores)
         if all(s is not None for s in scores):
             unique.sort(key=lambda item: -float(item.score))  # type: ignore[arg-type]
             scores = [item.score for item in unique]

@@ -167,6 +167,17 @@ def test_inputs_and_the_output_folder_are_checked_in_the_flags_words(inputs, cap
     assert "latin.txt line 1 is not UTF-8" in capsys.readouterr().err
 
 
+def test_an_out_folder_inside_docs_is_refused(inputs, capsys, no_loading):
+    """A rerun read the last run's report.md as a document: it was indexed and retrieved as
+    evidence, and its new text changed the settings key, so every cached answer was redone."""
+    docs, qa, _ = inputs
+    for out in (docs / "eval-out", docs):
+        (docs / "eval-out").mkdir(exist_ok=True)
+        (docs / "eval-out" / "report.md").write_text("| engine | faithfulness |")
+        assert evaluate_with((docs, qa, out)) == 1
+        assert f"--out {out} is inside --docs: pass a folder outside it" in capsys.readouterr().err
+
+
 def test_bad_question_file_names_the_line(inputs, capsys):
     docs, qa, out = inputs
     qa.write_text(json.dumps({"question": "q", "document": "nope.txt"}) + "\n")

@@ -199,6 +199,8 @@ def run_evaluate(args: argparse.Namespace, argv: Sequence[str] | None = None) ->
         questions = qs.load_questions(args.qa, documents, limit=args.limit)
         if args.out.exists() and not args.out.is_dir():
             raise ValueError(f"--out {args.out} is a file: pass a folder for the report")
+        if args.out.resolve().is_relative_to(args.docs.resolve()):  # report.md: a document
+            raise ValueError(f"--out {args.out} is inside --docs: pass a folder outside it")
         if cache.is_dir():
             raise ValueError(f"--out {args.out}: its {CACHE_FILE} is a folder: move it away")
         if args.fresh:

@@ -242,6 +242,19 @@ def test_a_non_empty_folder_is_never_silently_overwritten(tmp_path):
     assert not stale.exists() and (fresh / "notes.txt").read_text() == "kept"
 
 
+def test_overwrite_with_use_existing_is_an_error_and_writes_nothing(tmp_path, capsys):
+    """The two flags contradict each other: --use-existing won and --overwrite was ignored."""
+    fresh = tmp_path / "pack"
+    assert copy_pack(find_source(), fresh) is True
+    (fresh / "README.md").write_text("my notes")
+    with pytest.raises(ValueError, match="pass one of them"):
+        copy_pack(find_source(), fresh, refresh_cache=False, overwrite=True)
+    argv = ["download-llamapack", "ChunkIndexer", "-d", str(fresh), "--no-install"]
+    assert main([*argv, "--overwrite", "--use-existing"]) == 1
+    assert "--overwrite) replaces the copy" in capsys.readouterr().err
+    assert (fresh / "README.md").read_text() == "my notes"
+
+
 def test_cli_reports_a_used_folder_and_exits_1(tmp_path, capsys):
     (tmp_path / "data.csv").write_text("1,2\n")
     status = main(["download-llamapack", "ChunkIndexer", "-d", str(tmp_path), "--no-install"])

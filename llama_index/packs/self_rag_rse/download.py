@@ -143,8 +143,9 @@ def download_llama_pack(
 
     Raises:
         ValueError: unknown name, unknown extra, remote or damaged ``llama_pack_url``,
-            ``download_dir`` being the pack's own source, or symlinks inside ``download_dir``
-            where the copy goes (checked before anything is written).
+            ``download_dir`` being the pack's own source, ``overwrite`` with
+            ``refresh_cache=False``, or symlinks inside ``download_dir`` where the copy goes
+            (checked before anything is written).
         FileExistsError: ``download_dir`` is not empty and holds no identical copy.
         PermissionError / NotADirectoryError: ``download_dir`` cannot be created or written.
         RuntimeError: pip failed to install a missing requirement.
@@ -210,6 +211,11 @@ def copy_pack(
     to a file of the copy (``dest`` itself may be one), never a non-empty folder that would
     change unless ``overwrite``.
     """
+    if overwrite and not refresh_cache:
+        raise ValueError(
+            "overwrite=True (CLI: --overwrite) replaces the copy in download_dir and "
+            "refresh_cache=False (CLI: --use-existing) keeps it as it is: pass one of them"
+        )
     plan = source.plan()
     own_package = source.package_dir.resolve()
     target_package = (dest / PACKAGE_PATH).resolve()

@@ -218,8 +218,7 @@ def copy_pack(
         )
     plan = source.plan()
     own_package = source.package_dir.resolve()
-    target_package = (dest / PACKAGE_PATH).resolve()
-    if target_package == own_package or dest.resolve().is_relative_to(own_package):
+    if (dest / PACKAGE_PATH).resolve() == own_package or dest.resolve().is_relative_to(own_package):
         raise ValueError(
             f"download_dir {dest} is the pack's own source ({source.package_dir}); "
             "pick a folder outside it, e.g. --download-dir ./self_rag_rse_pack"

@@ -172,5 +172,4 @@ class SerialWorker:
         if executor is not None:
             # From the worker thread itself (a call that closes its own critic) waiting would
             # deadlock: the running call is the one asking.
-            inside = threading.current_thread().name.startswith(self._name)
-            executor.shutdown(wait=not inside)
+            executor.shutdown(wait=not threading.current_thread().name.startswith(self._name))

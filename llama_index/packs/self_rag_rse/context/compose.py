@@ -68,5 +68,4 @@ def _line(kind: str, title: str | None, summary: str | None) -> str:
     head = f"{kind}: {title}" if title else f"{kind}:"
     if not summary:
         return head
-    joiner = " " if not title or title.rstrip()[-1:] in ".!?:" else ". "
-    return head + joiner + summary.strip()
+    return head + (" " if not title or title.rstrip()[-1:] in ".!?:" else ". ") + summary.strip()

@@ -97,9 +97,7 @@ def repair_partition(
     if unique[0][1] != first:
         repairs.append(f"moved the first section's start from line {unique[0][1]} to {first}")
         unique[0] = (unique[0][0], first, unique[0][2])
-    claimed_ends = [e for _, _, e in unique]
-    exact_ends = [s - 1 for _, s, _ in unique[1:]] + [last]
-    if claimed_ends != exact_ends:
+    if [e for _, _, e in unique] != [s - 1 for _, s, _ in unique[1:]] + [last]:  # claimed, exact
         repairs.append("made each section end where the next begins (overlaps or gaps)")
     starts = [SectionStart(s, _clean_title(t, index, s), ()) for t, s, _ in unique]
     return RepairedPartition(_merge_short(starts, index, last, min_lines, where, repairs), repairs)

@@ -246,8 +246,7 @@ class LlamaCppBackend(CriticBackend):
     ) -> tuple[list[Generated | Exception], list[Scored | Exception]]:
         """Answers and labels of the same values, decoded together."""
         answers = self._answer_requests(answer_template, values)
-        labels = self._label_requests(scale, label_template, values)
-        outputs = conversation.run([*answers, *labels])
+        outputs = conversation.run([*answers, *self._label_requests(scale, label_template, values)])
         return (
             [self._generated(out) for out in outputs[: len(answers)]],
             [self._scored(out, scale) for out in outputs[len(answers) :]],

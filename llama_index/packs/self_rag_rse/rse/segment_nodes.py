@@ -187,5 +187,4 @@ def free_text(spare: Segment, kept: Sequence[Segment]) -> tuple[int, int] | None
 def _node_id(doc_id: str, member_ids: list[str], text: str) -> str:
     # Named by what it holds, not by positions (renumbered from 0 on every call when only
     # links order the hits): the same chunks and text, the same id; other content, another.
-    held = "\n".join([*member_ids, text])
-    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"rse:{doc_id}\n{held}"))
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"rse:{doc_id}\n" + "\n".join([*member_ids, text])))

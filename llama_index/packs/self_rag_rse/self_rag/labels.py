@@ -304,8 +304,7 @@ def _read_value(value: Any, scale: LabelScale) -> Reading:
     if isinstance(value, bool):
         if scale.number_range is not None and scale.number_range[0] >= 1:
             return Reading(None, "fallback")  # true/false means nothing on a 1..5 scale
-        index = 0 if value else len(scale.labels) - 1
-        return Reading(scale.values[index], "parsed")
+        return Reading(scale.values[0 if value else len(scale.labels) - 1], "parsed")
     if isinstance(value, int | float):
         score = scale.value_of_number(float(value))
         if score is None:
@@ -330,8 +329,7 @@ def _scan_text(text: str, scale: LabelScale, original: str) -> Reading:
 
     def blank(match: re.Match[str]) -> str:
         found = re.findall(rf"\b(?:{alternatives})\b", match.group(0))
-        distinct = len(set(found)) == len(found)
-        return " " * len(match.group(0)) if distinct else match.group(0)
+        return " " * len(match.group(0)) if len(set(found)) == len(found) else match.group(0)
 
     lowered = listing.sub(blank, lowered)
 

@@ -74,8 +74,7 @@ class MalformedResponse(ServerError):
 async def _timed(step: Awaitable[T], left: float) -> tuple[T, float]:
     """``step``'s result and the seconds left of ``left`` after it (timing out past them)."""
     began = time.monotonic()
-    result = await asyncio.wait_for(step, max(left, 0.0))
-    return result, left - (time.monotonic() - began)
+    return await asyncio.wait_for(step, max(left, 0.0)), left - (time.monotonic() - began)
 
 
 def _clip(text: str, limit: int = 300) -> str:

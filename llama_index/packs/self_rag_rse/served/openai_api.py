@@ -371,5 +371,4 @@ class OpenAIAPI:
 
 def _strip_markup(text: str) -> str:
     """Answer text without quoted evidence or reflection strings (for id-keyed servers)."""
-    text = re.sub(r"<paragraph>.*?(</paragraph>|$)", "", text, flags=re.S)
-    return clean_user_text(text).strip()
+    return clean_user_text(re.sub(r"<paragraph>.*?(</paragraph>|$)", "", text, flags=re.S)).strip()

@@ -499,3 +499,14 @@ def test_a_damaged_pyproject_is_named(tmp_path):
     (checkout / "pyproject.toml").write_text('[project]\nname = "llama-index-packs-self')
     with pytest.raises(ValueError, match=rf"{checkout / 'pyproject.toml'} is not valid TOML"):
         find_source(checkout)
+
+
+@pytest.mark.parametrize("extra", ["", "gpu"])
+def test_an_unknown_extra_is_refused_before_anything_is_written(tmp_path, capsys, extra):
+    """The pack's files were copied first, then the extra was refused."""
+    dest = tmp_path / "pack"
+    argv = ["download-llamapack", "ChunkIndexer", "-d", str(dest), "--no-install"]
+    assert main([*argv, "--extra", extra]) == 1
+    assert f"Unknown extra {extra!r}; valid extras:" in capsys.readouterr().err
+    assert not dest.exists()
+

@@ -159,8 +159,10 @@ def download_llama_pack(
             install_missing_requirements(pyproject, extras, install=install_requirements)
         return getattr(importlib.import_module(PACKAGE), name)
 
+    source = find_source(llama_pack_url)
+    missing_requirements(source.project_files["pyproject.toml"], extras)  # unknown extras raise
     dest = Path(download_dir).expanduser().absolute()
-    copy_pack(find_source(llama_pack_url), dest, refresh_cache=refresh_cache, overwrite=overwrite)
+    copy_pack(source, dest, refresh_cache=refresh_cache, overwrite=overwrite)
     install_missing_requirements(dest / "pyproject.toml", extras, install=install_requirements)
     return import_from_copy(dest, name)
 

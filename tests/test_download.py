@@ -510,3 +510,13 @@ def test_an_unknown_extra_is_refused_before_anything_is_written(tmp_path, capsys
     assert f"Unknown extra {extra!r}; valid extras:" in capsys.readouterr().err
     assert not dest.exists()
 
+
+def test_an_empty_download_dir_is_refused_naming_the_fix(tmp_path, monkeypatch, capsys):
+    """It was the current folder, which --overwrite would have copied into."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"download_dir is empty.*folder name"):
+        download_llama_pack("ChunkIndexer", "")
+    argv = ["download-llamapack", "ChunkIndexer", "-d", "", "--no-install", "--overwrite"]
+    assert main(argv) == 1
+    assert "--download-dir" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -143,7 +143,7 @@ def download_llama_pack(
 
     Raises:
         ValueError: unknown name, unknown extra, remote or damaged ``llama_pack_url``,
-            ``download_dir`` being the pack's own source, ``overwrite`` with
+            ``download_dir=""`` or the pack's own source, ``overwrite`` with
             ``refresh_cache=False``, or symlinks inside ``download_dir`` where the copy goes
             (checked before anything is written).
         FileExistsError: ``download_dir`` is not empty and holds no identical copy.
@@ -152,6 +152,11 @@ def download_llama_pack(
         ImportError: the copy could not be imported in place of the installed package.
     """
     name = _check_name(llama_pack_class)
+    if download_dir is not None and not os.fspath(download_dir):  # Path("") is the working folder
+        raise ValueError(
+            "download_dir is empty (CLI: --download-dir ''); pass a folder name, "
+            "e.g. --download-dir ./self_rag_rse_pack"
+        )
     if download_dir is None:
         # The installed pack's own requirements are met (pip installed them); extras may not be.
         if extras:

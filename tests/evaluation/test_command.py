@@ -155,6 +155,16 @@ def test_every_flag_is_checked_before_anything_loads(inputs, capsys, no_loading,
     assert message in capsys.readouterr().err
 
 
+def test_a_budget_and_an_overall_length_together_are_refused(inputs, capsys, no_loading):
+    """--rse-overall-max-length was dropped without a word when --rse-context-chars was given."""
+    extra = ["--rse-context-chars", "2000", "--rse-overall-max-length", "12"]
+    assert evaluate_with(inputs, *extra) == 1
+    err = capsys.readouterr().err
+    assert "--rse-context-chars replaces --rse-overall-max-length" in err
+    assert "keep --rse-context-chars for a budget in characters or --rse-overall" in err
+    assert not inputs[2].exists()
+
+
 def test_inputs_and_the_output_folder_are_checked_in_the_flags_words(inputs, capsys, no_loading):
     docs, qa, out = inputs
     assert evaluate_with((docs, qa.parent, out)) == 1

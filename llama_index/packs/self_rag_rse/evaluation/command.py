@@ -30,6 +30,7 @@ from llama_index.packs.self_rag_rse.rse.budget import MAX_BUDGET
 CACHE_FILE = "cache.jsonl"
 #: Judge reply lengths: room for RAGAS's JSON lists; the bundled judge's are unusable anyway.
 JUDGE_TOKENS, BUNDLED_JUDGE_TOKENS = 512, 128
+RSE_CHUNKS = 12  # --rse-overall-max-length when neither it nor --rse-context-chars is given
 BUNDLED, MODEL_FORMS = "bundled", "bundled, PATH.gguf or URL[#MODEL]"
 #: The served forms before URL[#MODEL] (with --llm-url / --judge-url), accepted for one release.
 OLD_SERVED_FORMS = ("openai-like", "openai-like-chat")
@@ -164,7 +165,6 @@ def add_evaluate_parser(commands: Any) -> argparse.ArgumentParser:
         ("--ndocs", 3, "paragraphs Self-RAG judges"),
         ("--max-new-tokens", 64, "answer length"),
         ("--rse-max-length", 6, "chunks per RSE segment"),
-        ("--rse-overall-max-length", 12, "chunks in all segments"),
         ("--context-window", 4096, "llama.cpp context"),
         ("--workers", 4, "judgements in flight"),
     ):
@@ -172,6 +172,7 @@ def add_evaluate_parser(commands: Any) -> argparse.ArgumentParser:
     modes = ("adaptive_retrieval", "always_retrieve", "no_retrieval")
     add("--self-rag-mode", choices=modes, default="always_retrieve")
     chars = _number(int, 1, f"a whole number from 1 to {MAX_BUDGET:,} (characters)", MAX_BUDGET)
+    add("--rse-overall-max-length", type=count, help=f"chunks in all segments ({RSE_CHUNKS})")
     add("--rse-context-chars", type=chars, help="RSE's budget in characters (max_context_chars)")
     add("--judge-max-tokens", type=count, help=f"judge reply ({JUDGE_TOKENS}; bundled: 128)")
     seconds = _number(float, 0, "a number of seconds above 0")
@@ -191,6 +192,11 @@ def run_evaluate(args: argparse.Namespace, argv: Sequence[str] | None = None) ->
     logging.getLogger("ragas").setLevel(logging.CRITICAL)
     cache = args.out / CACHE_FILE
     try:  # every input is checked before anything slow loads
+        if args.rse_context_chars is not None and args.rse_overall_max_length is not None:
+            raise ValueError(
+                "--rse-context-chars replaces --rse-overall-max-length: keep --rse-context-chars "
+                "for a budget in characters or --rse-overall-max-length for a count of chunks"
+            )
         llm = parse_spec(args.llm, url=args.llm_url)
         judge = None
         if args.judge_backend != "none":
@@ -245,7 +251,7 @@ def _run(args: argparse.Namespace) -> int:
             notes[:0] = [PLACEHOLDER_JUDGE] if bundled else []
         rse: dict[str, Any] = {"max_length": args.rse_max_length}
         if args.rse_context_chars is None:
-            rse["overall_max_length"] = args.rse_overall_max_length
+            rse["overall_max_length"] = args.rse_overall_max_length or RSE_CHUNKS
         else:
             rse["max_context_chars"] = args.rse_context_chars
         self_rag = {"ndocs": args.ndocs, "max_new_tokens": args.max_new_tokens}

@@ -763,3 +763,16 @@ def test_segments_that_do_not_touch_give_shared_text_once(budget):
     joined = "".join(r.node.get_content() for r in out)
     assert joined == text[nodes[0].start_char_idx : nodes[2].end_char_idx]
     assert out[1].node.start_char_idx == nodes[0].end_char_idx
+
+
+def test_bare_nodes_are_refused_before_cores_event_naming_the_fix(doc_nodes):
+    """Core's ReRankStartEvent refused them with a pydantic error naming neither RSE nor the fix."""
+    nodes = doc_nodes("doc", 3)
+    rse = RelevantSegmentPostprocessor()
+    message = r"got a TextNode.*NodeWithScore\(node=\.\.\., score=\.\.\.\)"
+    with pytest.raises(TypeError, match=message):
+        rse.postprocess_nodes([NodeWithScore(node=nodes[0], score=0.9), nodes[1]])
+    with pytest.raises(TypeError, match=message):
+        asyncio.run(rse.apostprocess_nodes(nodes))
+    with pytest.raises(TypeError, match=message):
+        rse.extract(nodes)

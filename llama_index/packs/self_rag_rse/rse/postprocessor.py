@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -124,7 +124,7 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
         self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
     ) -> list[NodeWithScore]:
         """Replace retrieved chunks by the best segments of their documents."""
-        nodes = list(nodes)  # any iterable: the start event must not use up a generator
+        nodes = _scored(nodes)  # any iterable: the start event must not use up a generator
         dispatcher.event(self._start_event(nodes, query_bundle))
         result = self._to_nodes(self.extract(nodes))
         dispatcher.event(ReRankEndEvent(nodes=result))
@@ -134,7 +134,7 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
         self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
     ) -> list[NodeWithScore]:
         """Async variant: store reads use the stores' async APIs."""
-        nodes = list(nodes)
+        nodes = _scored(nodes)
         dispatcher.event(self._start_event(nodes, query_bundle))
         result = self._to_nodes(await self.aextract(nodes))
         dispatcher.event(ReRankEndEvent(nodes=result))
@@ -154,14 +154,14 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
     def extract(self, nodes: Sequence[NodeWithScore]) -> SegmentExtraction:
         """Run the extraction and return its full result (values, segments, members, holes)."""
         source = ChunkSource(self._docstore, self._vector_store)
-        extraction = drive(self._plan(list(nodes), source), source.run)
+        extraction = drive(self._plan(_scored(nodes), source), source.run)
         extraction.store_calls = source.calls
         return extraction
 
     async def aextract(self, nodes: Sequence[NodeWithScore]) -> SegmentExtraction:
         """Async :meth:`extract`."""
         source = ChunkSource(self._docstore, self._vector_store)
-        extraction = await adrive(self._plan(list(nodes), source), source.arun)
+        extraction = await adrive(self._plan(_scored(nodes), source), source.arun)
         extraction.store_calls = source.calls
         return extraction
 
@@ -420,3 +420,14 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
             parts = segment.members if self.output == "chunks" else segment.nodes
             result.extend(NodeWithScore(node=node, score=segment.value) for node in parts)
         return result + extraction.passthrough
+
+
+def _scored(nodes: Iterable[NodeWithScore]) -> list[NodeWithScore]:
+    """``nodes`` as a list; bare nodes are refused before core's event fails on them unexplained."""
+    items = list(nodes)
+    if wrong := next((n for n in items if not isinstance(n, NodeWithScore)), None):
+        raise TypeError(
+            f"RelevantSegmentPostprocessor got a {type(wrong).__name__} among its nodes; it takes "
+            "retrieved nodes: wrap each in NodeWithScore(node=..., score=...)"
+        )
+    return items

@@ -3,8 +3,7 @@
 A postprocessor that returns no nodes cannot say why through LlamaIndex's interface. It calls
 :func:`record_note`; a caller that wants the reason (the Self-RAG engine, for its trace) wraps
 the call in :func:`collect_notes`. The notes live in a context variable, so concurrent queries
-(threads or asyncio tasks) never see each other's notes, and nothing is kept when nobody
-collects.
+(threads or asyncio tasks) never see each other's notes, and nothing is kept when nobody collects.
 """
 
 from __future__ import annotations

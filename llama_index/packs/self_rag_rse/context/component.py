@@ -3,13 +3,12 @@ results, and the cost of their last run.
 
 :class:`~.sectioner.DocumentSectioner` takes the splitter's place (documents in, chunks out) and
 :class:`~.headers.ContextualHeaders` comes after it (chunks in). Put in the wrong place, each
-would run without complaint and quietly spoil the index: the sectioner after a splitter
-sections every chunk as if it were a document, so the chunks' offsets point into the chunk
-while their source still names the document (RSE then finds the texts contradicting the
-offsets and breaks segments there), and the headers before the splitter name no section and
-are copied into every chunk. The two are told apart the way LlamaIndex marks them: a splitter
-gives every chunk a SOURCE relationship naming the document it was cut from
-(``node.ref_doc_id``), while a reader's ``Document`` has none.
+would run without complaint and quietly spoil the index: the sectioner after a splitter sections
+every chunk as if it were a document, so the chunks' offsets point into the chunk while their source
+still names the document (RSE then finds the texts contradicting the offsets and breaks segments
+there), and the headers before the splitter name no section and are copied into every chunk. The two
+are told apart the way LlamaIndex marks them: a splitter gives every chunk a SOURCE relationship
+naming the document it was cut from (``node.ref_doc_id``), while a reader's ``Document`` has none.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """Split documents into titled sections that follow their structure, then chunk each section.
 
 Chunks that cross a section boundary mix two topics and cannot carry one section title, so the
-sectioner does the chunking itself: it cuts every document into sections (by its headings, or by
-an LLM reading numbered lines) and runs the splitter on each section on its own. Every chunk
-keeps the true offsets, source document and NEXT/PREVIOUS links it would have had from the
-splitter alone (links run across section boundaries, so RSE can still join neighbouring
-sections), and gains ``section_title``, ``section_path``, ``section_range`` (characters),
-``section_index``, ``section_source`` and ``document_heading`` (the document's own title heading).
-Those keys are hidden from the embedded and the LLM text; :class:`ContextualHeaders` turns them
-into a header.
+sectioner does the chunking itself: it cuts every document into sections (by its headings, or by an
+LLM reading numbered lines) and runs the splitter on each section on its own. Every chunk keeps the
+true offsets, source document and NEXT/PREVIOUS links it would have had from the splitter alone
+(links run across section boundaries, so RSE can still join neighbouring sections), and gains
+``section_title``, ``section_path``, ``section_range`` (characters), ``section_index``,
+``section_source`` and ``document_heading`` (the document's own title heading). Those keys are
+hidden from the embedded and the LLM text; :class:`ContextualHeaders` turns them into a header.
 """
 
 from __future__ import annotations

@@ -72,15 +72,14 @@ class BatchedDecoder:
             processes (an embedding model in the same process included), fewer threads than
             cores are steadier: llama.cpp's threads wait for each other by spinning.
         kv_unified: KV-cache layout. ``True``: one buffer for all sequences; a shared prefix is
-            handed on without a copy and memory follows the tokens held, but without flash
-            attention every token also attends to (then masks out) the other sequences' cells.
-            ``False``: one stream per sequence (memory: sequences × the longest one; a shared
-            prefix is copied into each stream); attention stays within a sequence, and llama.cpp
-            splits batches by stream. ``None`` (default) picks unified when flash attention is
-            on or layers are offloaded to a GPU (the masked work is skipped or cheap there),
-            split on a CPU without flash attention, where it was measured 21% faster for 10
-            paragraphs of SmolLM2-135M (8.2 s vs 10.4 s; the masked attention is ~1/3 of
-            unified prompt time).
+            handed on without a copy and memory follows the tokens held, but without flash attention
+            every token also attends to (then masks out) the other sequences' cells. ``False``: one
+            stream per sequence (memory: sequences × the longest one; a shared prefix is copied into
+            each stream); attention stays within a sequence, and llama.cpp splits batches by stream.
+            ``None`` (default) picks unified when flash attention is on or layers are offloaded to a
+            GPU (the masked work is skipped or cheap there), split on a CPU without flash attention,
+            where it was measured 21% faster for 10 paragraphs of SmolLM2-135M (8.2 s vs 10.4 s; the
+            masked attention is ~1/3 of unified prompt time).
         flash_attn: flash attention for this context; ``None`` (default) inherits the ``Llama``'s
             setting (off unless ``Llama(flash_attn=True)``). llama.cpp's CPU kernel computes in
             F16, which moves log-probs by up to ~1e-2: keep it off on CPU for exact scores.
@@ -224,11 +223,10 @@ class BatchedDecoder:
                 answers = conv.run([Request(p, max_new_tokens=64) for p in answer_prompts])
                 labels = conv.run([Request(p, 1, label_ids) for p in support_prompts])
 
-        With ``carry_over=True`` the conversation starts with the sequences the last
-        ``carry_over`` conversation left in the KV cache, when no other call used the cache
-        since (a long-form query's next depth continues the contexts its last depth read);
-        otherwise the cache starts empty. Results are the same either way, only the time
-        differs.
+        With ``carry_over=True`` the conversation starts with the sequences the last ``carry_over``
+        conversation left in the KV cache, when no other call used the cache since (a long-form
+        query's next depth continues the contexts its last depth read); otherwise the cache starts
+        empty. Results are the same either way, only the time differs.
 
         Other calls, :meth:`close` and ``Llama.close()`` from other threads wait meanwhile
         (``Llama.close()`` makes the next call raise :class:`~.compat.ModelClosedError`).
@@ -259,12 +257,11 @@ class BatchedDecoder:
         """Greedily continue ``prefix + suffixes[i] + suffix_tail`` for every ``i``.
 
         The prefix is evaluated once and shared by all sequences; ``suffix_tail`` (e.g. a closing
-        ``</paragraph>``) is appended to every suffix and is never truncated, whereas a suffix
-        too long for ``n_ctx`` loses its last tokens. Each sequence stops at its own
-        end-of-generation token, at a token in ``stop_ids``, or after ``max_new_tokens``.
-        ``track_ids`` selects the columns of ``tracked_logprobs``. Results come back in suffix
-        order; a sequence whose decoding fails carries ``error`` and does not affect the others.
-        The KV cache starts empty.
+        ``</paragraph>``) is appended to every suffix and is never truncated, whereas a suffix too
+        long for ``n_ctx`` loses its last tokens. Each sequence stops at its own end-of-generation
+        token, at a token in ``stop_ids``, or after ``max_new_tokens``. ``track_ids`` selects the
+        columns of ``tracked_logprobs``. Results come back in suffix order; a sequence whose
+        decoding fails carries ``error`` and does not affect the others. The KV cache starts empty.
 
         Raises :class:`~.context.ContextCreationError` when no llama.cpp context fits even one
         suffix, and :class:`~.compat.ModelClosedError` when the model is (or gets, from another

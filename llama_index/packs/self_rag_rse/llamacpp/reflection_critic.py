@@ -308,8 +308,7 @@ class ReflectionCritic(BaseCritic):
         tokens = list(out.tokens)
         stop = "length"
         if out.finish_reason == "stop":
-            last = tokens.pop()
-            boundary = last in (self.token_ids[RETRIEVAL], self.token_ids[NO_RETRIEVAL])
+            boundary = tokens.pop() in (self.token_ids[RETRIEVAL], self.token_ids[NO_RETRIEVAL])
             stop = "boundary" if boundary else "eos"
         scores = score_generation(
             out.tracked_logprobs, tokens, out.token_logprobs[: len(tokens)], self._reflection_ids

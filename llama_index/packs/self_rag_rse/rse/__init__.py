@@ -3,9 +3,8 @@
 - ``segments`` (the search), ``budget`` (the search under a context budget), ``values``,
   ``calibration``, ``stitching``, ``types``: numpy and text only;
 - ``node_fields`` (what is read off a node, checked), ``chunk_index``, ``chunk_sources``,
-  ``ordering`` (the evidence on order), ``layout`` (chunks placed, holes, reads),
-  ``segment_nodes``, ``context_budget`` (what nodes cost; the one correction): adapters to
-  LlamaIndex nodes and stores;
+  ``ordering`` (the evidence on order), ``layout`` (chunks placed, holes, reads), ``segment_nodes``,
+  ``context_budget`` (what nodes cost; the one correction): adapters to LlamaIndex nodes and stores;
 - ``options`` (what can be set, checked on every assignment) and ``postprocessor``: the
   user-facing ``RelevantSegmentPostprocessor``; ``plot``: a picture of it.
 """

@@ -187,8 +187,7 @@ def _candidates(
     wall[n:] = True
     padded_values = np.concatenate([row, np.full(length, -1.0)])
     padded_steps = np.concatenate([step, np.zeros(length, dtype=np.int64)])
-    usable = row >= 0
-    alive = usable & (first <= budget)
+    alive = (row >= 0) & (first <= budget)
     worth = np.where(alive, row, -np.inf)
     cost = first.copy()
     best = np.full(n, -np.inf)
@@ -288,10 +287,9 @@ def _room_for_piece(
     taken: NDArray[np.bool_], walls: NDArray[np.bool_], row: FloatArray, first: IntArray,
     step: IntArray, candidates: list[int], left: int, least: int, max_length: int,
 ) -> None:  # fmt: skip
-    """With ``left`` of the budget unspent: a one-chunk segment of a later candidate gives its
-    room to the first one left out if the piece (at least ``least`` long) made is worth more than
-    it and the piece ``left`` makes (a piece: its share of the chunk's value), or its whole if it
-    fits."""
+    """With ``left`` of the budget unspent: a one-chunk segment of a later candidate gives its room
+    to the first one left out if the piece (at least ``least`` long) made is worth more than it and
+    the piece ``left`` makes (a piece: its share of the chunk's value), or its whole if it fits."""
     best = next((p for p in candidates if not taken[p] and row[p] > 0), None)
     if best is None or not least:
         return

@@ -64,8 +64,7 @@ def stable_chunk_id(doc_id: str, index: int) -> str:
 
 @functools.lru_cache(maxsize=1 << 16)
 def _stable_id(doc_id: str, index: int) -> str:
-    # Cached: RSE asks for the ids of every gap it reads, call after call, and a UUID costs
-    # a hash.
+    # Cached: RSE asks for the ids of every gap it reads, call after call, and a UUID costs a hash.
     return str(uuid.uuid5(STABLE_ID_NAMESPACE, f"{doc_id}\n{index}"))
 
 
@@ -83,11 +82,10 @@ class ChunkIndexer(TransformComponent):
 
     A call must hold whole documents. Where it holds part of one (its first chunk here links
     PREVIOUS to a node not in the call; or, with no links, its chunks start further in than a
-    document's stripped leading whitespace; or chunks between two members are missing), the
-    indices already stamped on those nodes are kept, and without them it raises
-    ``ValueError``: stamp whole documents first, then ingest in batches. One missing chunk
-    between two linked members is skipped over (its neighbours' links name it), so indices
-    stay true.
+    document's stripped leading whitespace; or chunks between two members are missing), the indices
+    already stamped on those nodes are kept, and without them it raises ``ValueError``: stamp whole
+    documents first, then ingest in batches. One missing chunk between two linked members is skipped
+    over (its neighbours' links name it), so indices stay true.
 
     The version is the document's hash as the splitter recorded it on the SOURCE relationship
     (``document.hash``), or a hash of the document's chunk texts when there is none.

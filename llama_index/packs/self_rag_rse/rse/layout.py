@@ -252,8 +252,7 @@ class DocumentLayout:
 def lay_out(
     docs: Mapping[str, Sequence[BaseNode]], source: ChunkSource, max_document_chunks: int
 ) -> Generator[ChunkRequest, Any, dict[str, DocumentLayout]]:
-    """Place every retrieved node (``docs``: document id -> its hits, best first) in its
-    document.
+    """Place every retrieved node (``docs``: document id -> its hits, best first) in its document.
 
     A generator that yields the reads it needs (answer each with the store's reply) and
     returns the layouts, asking the stores only what the nodes do not say: stamped chunk

@@ -51,11 +51,10 @@ SEGMENT_METADATA_KEYS = (
 def segment_nodes(segment: Segment, headers: bool = True) -> list[TextNode]:
     """The node(s) for ``segment``: one, or one per side of each hole the stitch found.
 
-    Metadata shared by every member is kept, minus the chunk index (a segment is not one
-    chunk); values compare with :func:`~.node_fields.same_value`, so a shared numpy array or
-    NaN is kept like any other value. The :data:`SEGMENT_METADATA_KEYS` are added and hidden
-    from embedding and LLM text.
-    When the members carry contextual headers and ``headers`` is true, each node also gets
+    Metadata shared by every member is kept, minus the chunk index (a segment is not one chunk);
+    values compare with :func:`~.node_fields.same_value`, so a shared numpy array or NaN is kept
+    like any other value. The :data:`SEGMENT_METADATA_KEYS` are added and hidden from embedding and
+    LLM text. When the members carry contextual headers and ``headers`` is true, each node also gets
     ``segment_header``, the only metadata its LLM text shows (once, before the span's text).
     """
     members = segment.members

@@ -122,8 +122,7 @@ def find_best_segments(
         state = states[turn]
         if state is None:
             # Built on first use, from the constraints as they stand now.
-            state = _QueryState(values[turn], walls, free, width, max_length)
-            states[turn] = state
+            state = states[turn] = _QueryState(values[turn], walls, free, width, max_length)
         best = state.best(width, minimum_value, wall_positions)
         if best is None:
             dropped[turn] = True

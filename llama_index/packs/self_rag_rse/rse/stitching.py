@@ -1,14 +1,13 @@
 """Rebuild a document span from consecutive chunks without duplicating overlap or inventing text.
 
 Splitters with ``chunk_overlap`` repeat text at every boundary; splitters without it strip the
-whitespace between chunks. Given each chunk's character span (``start_char_idx`` /
-``end_char_idx``, which LlamaIndex's splitters record), the overlap is cut exactly and a stripped
-gap is refilled with whitespace of the same length. Offsets are evidence, not truth: the text an
-overlap cut drops must be the text already stitched, and a gap can only be as wide as a splitter
-strips. Where the offsets fail either check, or a chunk carries none, the overlap is found by
-matching the end of the text so far against the start of the next chunk; where that fails too,
-the boundary is a *hole*, and the chunks come back as separate pieces rather than joined over
-text nobody has. No LlamaIndex import.
+whitespace between chunks. Given each chunk's character span (``start_char_idx`` / ``end_char_idx``,
+which LlamaIndex's splitters record), the overlap is cut exactly and a stripped gap is refilled with
+whitespace of the same length. Offsets are evidence, not truth: the text an overlap cut drops must
+be the text already stitched, and a gap can only be as wide as a splitter strips. Where the offsets
+fail either check, or a chunk carries none, the overlap is found by matching the end of the text so
+far against the start of the next chunk; where that fails too, the boundary is a *hole*, and the
+chunks come back as separate pieces rather than joined over text nobody has. No LlamaIndex import.
 """
 
 from __future__ import annotations

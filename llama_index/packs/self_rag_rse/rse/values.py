@@ -127,10 +127,9 @@ def chunk_value(
       0.9 and 0.3 get very different values.
     - ``decay_rate``: larger means rank matters less (dsRAG presets: 30, or 200 for ``find_all``).
     - ``irrelevant_chunk_penalty``: the price of including a chunk. A chunk only pays for itself
-      when ``exp(-rank / decay_rate) * relevance`` exceeds it, and every weak chunk inside a
-      segment costs this much, so a larger penalty gives shorter and fewer segments. dsRAG's rule
-      of thumb: 0.05 gives segments of 20-50 chunks, 0.1 of 10-20, 0.2 of 4-10, 0.3 of 2-6 and
-      0.4 of 1-3.
+      when ``exp(-rank / decay_rate) * relevance`` exceeds it, and every weak chunk inside a segment
+      costs this much, so a larger penalty gives shorter and fewer segments. dsRAG's rule of thumb:
+      0.05 gives segments of 20-50 chunks, 0.1 of 10-20, 0.2 of 4-10, 0.3 of 2-6 and 0.4 of 1-3.
 
     Scalars give a float, arrays (broadcast against each other) give a float64 array.
     """

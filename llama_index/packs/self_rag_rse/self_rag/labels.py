@@ -31,10 +31,9 @@ class LabelScale:
     ``labels`` are the words the prompt asks for; their first tokens are what the log-prob path
     reads, so they must start with distinct tokens. ``values[i]`` is the score of ``labels[i]``;
     with label probabilities the score is the expectation Σ values_i·p_i. ``synonyms`` map other
-    words a model may write (lower case) to a label index. ``number_range`` accepts a numeric
-    reply in ``[lo, hi]``, mapped linearly onto ``[min(values), max(values)]``. ``fallback`` is
-    the score of a reply that cannot be read: neutral, so it neither promotes nor buries a
-    paragraph.
+    words a model may write (lower case) to a label index. ``number_range`` accepts a numeric reply
+    in ``[lo, hi]``, mapped linearly onto ``[min(values), max(values)]``. ``fallback`` is the score
+    of a reply that cannot be read: neutral, so it neither promotes nor buries a paragraph.
     """
 
     name: str

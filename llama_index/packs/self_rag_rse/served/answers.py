@@ -213,9 +213,8 @@ def fit_passage(
 
 def each_or_error(results: Sequence[T | BaseException], failed: Callable[[int, str], T]) -> list[T]:
     """The results of concurrent requests, one per paragraph: a request that failed on its own
-    becomes ``failed(index, error)`` and is logged; a failure that says no answer of this
-    server can be trusted (not greedy, reflection tokens unidentifiable) or an interrupt is
-    raised."""
+    becomes ``failed(index, error)`` and is logged; a failure that says no answer of this server can
+    be trusted (not greedy, reflection tokens unidentifiable) or an interrupt is raised."""
     out: list[T] = []
     for i, result in enumerate(results):
         if isinstance(result, BaseException):

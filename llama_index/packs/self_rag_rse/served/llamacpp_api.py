@@ -226,11 +226,10 @@ class LlamaCppAPI:
     async def _group(
         self, info: ServerInfo, prompt: Any, generated: Sequence[str], members: Sequence[str]
     ) -> dict[str, float] | None:
-        # The group's tokens get one and the same logit bias, large enough to put them above
-        # every other token; top_k keeps exactly them and the sampler's softmax normalises them
-        # among themselves. A shared bias leaves their differences, hence their ratios, as they
-        # were (to float32 rounding at the bias's size: ~1e-5). Response: k numbers, not the
-        # vocabulary.
+        # The group's tokens get one and the same logit bias, large enough to put them above every
+        # other token; top_k keeps exactly them and the sampler's softmax normalises them among
+        # themselves. A shared bias leaves their differences, hence their ratios, as they were (to
+        # float32 rounding at the bias's size: ~1e-5). Response: k numbers, not the vocabulary.
         ids = [key_id(m) for m in members]
         body = self._body([*prompt, *_ids(generated)], 1, len(ids))
         body.update(

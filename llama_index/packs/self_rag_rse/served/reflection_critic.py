@@ -289,10 +289,9 @@ class ServedReflectionCritic(BaseCritic):
         """Self-RAG's adaptive-retrieval gate, as the in-process critic decides it.
 
         With a ``threshold``: one request for the first position's distribution, retrieve when
-        p([Retrieval]) / (p([Retrieval]) + p([No Retrieval])) exceeds it. With ``None``: the
-        greedy continuation decides (retrieve when it contains ``[Retrieval]``). When retrieval
-        is skipped and ``answer_if_skipped``, a second request writes the answer after
-        ``[No Retrieval]``.
+        p([Retrieval]) / (p([Retrieval]) + p([No Retrieval])) exceeds it. With ``None``: the greedy
+        continuation decides (retrieve when it contains ``[Retrieval]``). When retrieval is skipped
+        and ``answer_if_skipped``, a second request writes the answer after ``[No Retrieval]``.
         """
         backend, info = await self._ready()
         prompt = await self._prompt(backend, info, query, Layout())

@@ -307,12 +307,11 @@ def parse_openai(body: Any, with_ids: bool = False, chunk: bool = False) -> Comp
 
     Accepts the legacy format (``tokens``, ``token_logprobs``, ``top_logprobs`` dicts) and
     llama.cpp's (``logprobs.content`` entries). Keys are decoded strings, except vLLM's
-    ``token_id:<id>`` strings, which are ids already, and llama.cpp's entries with
-    ``with_ids`` (they carry each token's id and bytes, like the native format).
-    ``usage.completion_tokens``, when sent, goes to ``extra`` (llama-server leaves out of its
-    log-probs a token that ends inside a UTF-8 character: the count tells). ``chunk``: one
-    event of a streamed completion, where the last one (``finish_reason`` set, no text) may
-    carry no ``logprobs``.
+    ``token_id:<id>`` strings, which are ids already, and llama.cpp's entries with ``with_ids``
+    (they carry each token's id and bytes, like the native format). ``usage.completion_tokens``,
+    when sent, goes to ``extra`` (llama-server leaves out of its log-probs a token that ends inside
+    a UTF-8 character: the count tells). ``chunk``: one event of a streamed completion, where the
+    last one (``finish_reason`` set, no text) may carry no ``logprobs``.
     """
     choice = _first_choice(body)
     text = choice.get("text", "")

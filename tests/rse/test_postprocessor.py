@@ -776,3 +776,5 @@ def test_bare_nodes_are_refused_before_cores_event_naming_the_fix(doc_nodes):
         asyncio.run(rse.apostprocess_nodes(nodes))
     with pytest.raises(TypeError, match=message):
         rse.extract(nodes)
+    with pytest.raises(TypeError, match=r"got a NoneType.*NodeWithScore"):  # falsy items too
+        rse.postprocess_nodes([NodeWithScore(node=nodes[0], score=0.9), None])

@@ -425,9 +425,9 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
 def _scored(nodes: Iterable[NodeWithScore]) -> list[NodeWithScore]:
     """``nodes`` as a list; bare nodes are refused before core's event fails on them unexplained."""
     items = list(nodes)
-    if wrong := next((n for n in items if not isinstance(n, NodeWithScore)), None):
+    if wrong := [n for n in items if not isinstance(n, NodeWithScore)]:  # None too
         raise TypeError(
-            f"RelevantSegmentPostprocessor got a {type(wrong).__name__} among its nodes; it takes "
-            "retrieved nodes: wrap each in NodeWithScore(node=..., score=...)"
+            f"RelevantSegmentPostprocessor got a {type(wrong[0]).__name__} among its nodes; it "
+            "takes retrieved nodes: wrap each in NodeWithScore(node=..., score=...)"
         )
     return items

@@ -226,8 +226,8 @@ def test_a_document_name_matching_two_files_names_both(tmp_path):
     qa = write(tmp_path / "qa.jsonl", [{"question": "q", "document": "README.md"}])
     with pytest.raises(ValueError, match=r"line 1: document 'README\.md'") as info:
         load_questions(qa, read_documents(folder))
-    assert "a/README.md, b/README.md" in str(info.value)
-    assert "path relative to --docs" in str(info.value) and "not a file" not in str(info.value)
+    assert "ambiguous: give a/README.md or b/README.md" in str(info.value)
+    assert "not a file" not in str(info.value)
 
 
 @pytest.mark.parametrize("value", [0, False, [], {}])

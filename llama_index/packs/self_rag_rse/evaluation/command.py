@@ -193,10 +193,7 @@ def run_evaluate(args: argparse.Namespace, argv: Sequence[str] | None = None) ->
     cache = args.out / CACHE_FILE
     try:  # every input is checked before anything slow loads
         if args.rse_context_chars is not None and args.rse_overall_max_length is not None:
-            raise ValueError(
-                "--rse-context-chars replaces --rse-overall-max-length: keep --rse-context-chars "
-                "for a budget in characters or --rse-overall-max-length for a count of chunks"
-            )
+            raise ValueError("--rse-context-chars replaces --rse-overall-max-length: pass one")
         llm = parse_spec(args.llm, url=args.llm_url)
         judge = None
         if args.judge_backend != "none":

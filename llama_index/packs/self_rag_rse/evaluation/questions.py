@@ -125,10 +125,7 @@ def _parse(item: object, documents: Mapping[str, str] | None) -> Question:
     if documents is not None and document:
         if (name := resolve_document(document, documents)) is None:
             if same := [key for key in documents if Path(key).name == Path(document).name]:
-                raise ValueError(
-                    f"document {document!r} matches {len(same)} files in --docs "
-                    f"({', '.join(same)}): give its path relative to --docs, e.g. {same[0]!r}"
-                )
+                raise ValueError(f"document {document!r} is ambiguous: give {' or '.join(same)}")
             raise ValueError(f"document {document!r} is not a file in --docs")
         found = find_span(documents[name], evidence) if evidence else None
         if evidence and found is None:

@@ -1,9 +1,8 @@
 """Run query engines over one question set, judge every answer, resume after a crash.
 
-Queries run one at a time (latencies do not inflate each other); each (answer, metric) is one
-job for core's ``run_jobs``; each finished item is cached at once, failures never, so a rerun
-does only what is missing or failed.
-"""
+Queries run one at a time (latencies do not inflate each other); each (answer, metric) is one job
+for core's ``run_jobs``; each finished item is cached at once, failures never, so a rerun does only
+what is missing or failed."""
 
 from __future__ import annotations
 
@@ -75,16 +74,14 @@ async def aevaluate(
 
     ``judge``: ``{metric: BaseEvaluator}`` (name its model in ``judge_name``: it keys the cached
     judgements), an LLM (the built-in metrics, with ``embed_model``) or ``None``. ``documents``
-    place the evidence; ``cache`` (a ``.jsonl`` path) resumes, under ``settings_key``;
-    ``workers`` judgements in flight, each attempt bounded by ``timeout_s``, ``retries`` more
-    after a timeout or a server's error; ``settings`` and ``notes`` go into the report.
-    """
+    place the evidence; ``cache`` (a ``.jsonl`` path) resumes, under ``settings_key``; ``workers``
+    judgements in flight, each attempt bounded by ``timeout_s``, ``retries`` more after a timeout or
+    a server's error; ``settings`` and ``notes`` go into the report."""
     if not engines:
         raise ValueError("pass at least one engine: {name: query engine}")
     if workers < 1 or retries < 0:
         raise ValueError(f"workers must be 1 or more, retries 0 or more: got {workers}, {retries}")
-    items = qs.questions_from(questions, documents)
-    if not items:
+    if not (items := qs.questions_from(questions, documents)):
         raise ValueError("pass at least one question")
     facts = None
     if judge is not None:
@@ -247,9 +244,7 @@ class ResultCache:
                 bad.append(str(number))
         if bad:
             shown = ", ".join(bad[:10]) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
-            logger.warning(
-                "%s: skipped damaged line(s) %s; their items are done again", path, shown
-            )
+            logger.warning("%s: skipped damaged line(s) %s; their items are redone", path, shown)
         # After a line cut short, the next record starts a new line (or it is glued to it and lost).
         self._newline_first = bool(data) and not data.endswith(b"\n")
 

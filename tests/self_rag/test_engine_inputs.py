@@ -341,6 +341,59 @@ def test_a_critic_that_breaks_the_judgement_contract_is_named(returned):
         engine.query("What does the while statement do?")
 
 
+class Breaking(Recording):
+    """Keeps the contract on the first judgement, then breaks it where ``broken`` says."""
+
+    def __init__(self, broken: str) -> None:
+        super().__init__()
+        self.broken = broken
+
+    def judge(self, query, paragraphs):
+        from llama_index.packs.self_rag_rse import ParagraphJudgement
+
+        if self.broken == "answer":
+            return [ParagraphJudgement(None, 0.9, 0.9, 1.0) for _ in paragraphs]  # type: ignore
+        relevance = 0.1 if self.broken == "rewrite" else 0.9
+        judged = [ParagraphJudgement("a", relevance, 0.1, 1.0) for _ in paragraphs]
+        # The regeneration judges the chosen paragraph alone (the retriever gives three).
+        return [] if self.broken == "regenerate" and len(paragraphs) == 1 else judged
+
+    def generate(self, query):
+        return None if self.broken == "rewrite" else "alone"
+
+    writes_segments = True
+
+    async def astart_path(self, query):
+        return (1,)
+
+    async def awrite_segments(self, branches, boundary_threshold):
+        from llama_index.packs.self_rag_rse.self_rag.contract import Continuation
+
+        return [Continuation("a segment", 0.9, 0.9, 1.0, stop="eos")]  # one for three branches
+
+
+@pytest.mark.parametrize(
+    ("broken", "options", "message"),
+    [
+        ("answer", {}, r"Breaking.ajudge must return one ParagraphJudgement per paragraph \(3\)"),
+        ("regenerate", {"corrective": True}, r"Breaking.ajudge must return one .* \(1\)"),
+        ("rewrite", {"corrective": True}, r"Breaking.agenerate must return text; .* None"),
+        ("segments", {"long_form": True}, r"Breaking.awrite_segments must return one .* \(3\)"),
+    ],
+)
+def test_a_critic_that_breaks_the_contract_later_in_the_flow_is_named(broken, options, message):
+    # An answer that is no text, the corrective loop's regeneration and rewrite, long form's
+    # segments: each used to fail deep in the flow (AttributeError, a failed unpacking, a
+    # StopIteration turned RuntimeError) instead of naming the critic and the contract.
+    engine = SelfRAGQueryEngine(
+        retriever=FixedRetriever(), critic=Breaking(broken), mode="always_retrieve", **options
+    )
+    with pytest.raises(TypeError, match=message):
+        engine.query("What does the while statement do?")
+    with pytest.raises(TypeError, match=message):
+        asyncio.run(engine.aquery("What does the while statement do?"))
+
+
 def test_no_postprocessors_may_be_said_with_none():
     engine = SelfRAGQueryEngine(
         retriever=FixedRetriever(), critic=Recording(), node_postprocessors=None

@@ -43,8 +43,7 @@ class Scored:
 
     ``method`` is ``"logprobs"`` (label probabilities), ``"parsed"`` (label read from a reply)
     or ``"fallback"`` (unreadable reply, the scale's neutral score; ``note`` says why).
-    ``generated_tokens`` counts the tokens the model produced for it, when known.
-    """
+    ``generated_tokens`` counts the tokens the model produced for it, when known."""
 
     score: float
     method: str
@@ -98,8 +97,7 @@ class FirstRound:
     """A judgement after its first round (answers and relevance), and what the second asks.
 
     ``answered`` lists ``(index, answer text)`` of the paragraphs that got an answer: only they
-    are asked about support and utility.
-    """
+    are asked about support and utility."""
 
     results: list[ParagraphResult]
     answered: list[tuple[int, str]]
@@ -164,8 +162,7 @@ class CriticBackend(ABC):
         """Answers from ``answer_template`` and labels from ``label_template``, same values.
 
         Backends that can share work between the two (llama.cpp evaluates each paragraph once
-        for both) override this; the default runs both together.
-        """
+        for both) override this; the default runs both together."""
         answers, labels = await asyncio.gather(
             self.generate(answer_template, values), self.score(scale, label_template, values)
         )
@@ -184,8 +181,7 @@ class CriticBackend(ABC):
         paragraph's relevance, then the support and utility of every answer. Results are in
         input order. Backends that can carry work from one round to the next (llama.cpp reads
         each paragraph once for all four questions) override this; the default asks
-        :meth:`generate_and_score` and :meth:`score`.
-        """
+        :meth:`generate_and_score` and :meth:`score`."""
         if not paragraphs:
             return []
         values = [prompt_values(query, text) for text in paragraphs]
@@ -211,8 +207,7 @@ class CriticBackend(ABC):
         """One answer to ``template.format(**values)``, piece by piece as the model writes it.
 
         The default yields :meth:`generate`'s whole answer once; backends whose model streams
-        override it.
-        """
+        override it."""
         (result,) = await self.generate(template, [values])
         if isinstance(result, Exception):
             raise result

@@ -77,8 +77,7 @@ def build_critic(
     (reflection when the model has every reflection token, prompted otherwise, with a warning
     when it has only some) or a built critic. For a served LLM (``OpenAILike``,
     ``OpenAI(api_base=...)``), ``"auto"`` asks the server whether its model has the tokens:
-    completion models only, never a hosted API such as api.openai.com.
-    """
+    completion models only, never a hosted API such as api.openai.com."""
     if isinstance(critic, BaseCritic):
         if llm is not None or model_path is not None:
             raise ValueError(
@@ -168,8 +167,7 @@ def _served_reflection(critic: str, llm: Any, *, max_new_tokens: int) -> BaseCri
 
     ``None`` when ``llm`` is not served, or (``critic="auto"``) when it is a chat model, a hosted
     API, or its server's model lacks (or cannot identify) the reflection tokens. With
-    ``critic="reflection"`` those cases raise, and so does an unreachable server in both modes.
-    """
+    ``critic="reflection"`` those cases raise, and so does an unreachable server in both modes."""
     from llama_index.packs.self_rag_rse.served.endpoint import endpoint_of
 
     endpoint = endpoint_of(llm)

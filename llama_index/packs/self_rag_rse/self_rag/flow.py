@@ -33,6 +33,20 @@ class FlowParts:
         """The engine's prompt ``key`` for ``query``."""
         return self.prompts[key].format(query_str=query)
 
+    def checked(self, method: str, out: Any, count: int | None = None) -> Any:
+        """What the critic's ``method`` returned, when it keeps the contract (``count``
+        judgements, each with text as its answer; ``None``: text), else a ``TypeError``."""
+        if count is None:
+            kept, what = isinstance(out, str), "text"
+        else:
+            kept = isinstance(out, list | tuple) and len(out) == count
+            kept = kept and all(isinstance(getattr(j, "answer", None), str) for j in out)
+            what = f"one ParagraphJudgement per paragraph ({count}), in order, with text answers"
+        if not kept:
+            critic = type(self.critic).__name__
+            raise TypeError(f"{critic}.{method} must return {what}; it returned {out!r:.80}")
+        return out
+
 
 @dataclass
 class Outcome:

@@ -101,9 +101,10 @@ async def long_form(
         branches = [
             (beam[i].context, parts.paragraph(node)) for i, nodes in found.items() for node in nodes
         ]
-        segments = iter(
+        written = (
             await parts.critic.awrite_segments(branches, boundary_threshold) if branches else []
         )
+        segments = iter(parts.checked("awrite_segments", written, len(branches)))
         candidates: list[Path] = []
         for i, path in enumerate(beam):
             if path.finished:

@@ -49,12 +49,8 @@ async def short_form(
     for round_ in range(1, rounds + 1):
         fresh = await passages(parts, search_query, seen, round=round_)
         if fresh:
-            judgements = await parts.critic.ajudge(query, [parts.paragraph(n) for n in fresh])
-            if not isinstance(judgements, list | tuple) or len(judgements) != len(fresh):
-                raise TypeError(
-                    f"{type(parts.critic).__name__}.ajudge must return one ParagraphJudgement "
-                    f"per paragraph ({len(fresh)}), in order; it returned {judgements!r:.80}"
-                )
+            judged = await parts.critic.ajudge(query, [parts.paragraph(n) for n in fresh])
+            judgements = parts.checked("ajudge", judged, len(fresh))
             for node, judgement in zip(fresh, judgements, strict=True):
                 seen.add(node.node.node_id)
                 candidates.append(Candidate(node, judgement, parts.score(judgement)))
@@ -70,7 +66,8 @@ async def short_form(
         # query2doc first when nothing relevant came back; a rewrite after that, or for utility.
         tried = any(entry["step"] == "query2doc" for entry in trace)
         step = "query2doc" if reason == "no relevant paragraph" and not tried else "rewrite"
-        search_query = await parts.critic.agenerate(parts.prompt(f"{step}_prompt", query))
+        written = await parts.critic.agenerate(parts.prompt(f"{step}_prompt", query))
+        search_query = parts.checked("agenerate", written)
         trace.append({"step": step, "reason": reason, "query": search_query})
         if not search_query.strip():
             search_query = query
@@ -113,7 +110,8 @@ async def _ensure_support(
     best = ranked[0]
     grounded = parts.prompt("grounded_prompt", query)
     for attempt in range(1, corrective.max_regenerations + 1):
-        (redo,) = await parts.critic.ajudge(grounded, [parts.paragraph(best.node)])
+        judged = await parts.critic.ajudge(grounded, [parts.paragraph(best.node)])
+        (redo,) = parts.checked("ajudge", judged, 1)
         entry = dict(step="regenerate", attempt=attempt, support=redo.support)
         parts.trace.append(entry | {"node_id": best.node.node_id})
         if redo.error is None and redo.support >= threshold and redo.answer.strip():

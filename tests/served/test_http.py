@@ -79,6 +79,25 @@ def test_an_engine_on_a_server_that_is_down_fails_at_construction() -> None:
         SelfRAGQueryEngine(llm=llm, retriever=FixedRetriever(), critic="reflection")
 
 
+@pytest.mark.parametrize(
+    "url",
+    ["http://127.0.0.1:99999", "http://127.0.0.1:0", "http://127.0.0.1:port/v1"],
+)
+def test_a_url_with_no_usable_port_is_refused_at_construction(url: str) -> None:
+    # A port out of range used to pass construction and fail at the first request with an
+    # ExceptionGroup from the connection library (OverflowError: port must be 0-65535).
+    with pytest.raises(ValueError, match=r"base_url must be an http\(s\) URL .* port in 1-65535"):
+        ServedReflectionCritic(url, timeout=5)
+    from llama_index.llms.openai_like import OpenAILike
+    from retrievers import FixedRetriever
+
+    from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
+
+    llm = OpenAILike(api_base=url, model="m", is_chat_model=False, api_key="none", timeout=5)
+    with pytest.raises(ValueError, match=r"port in 1-65535, such as http://127.0.0.1:8080"):
+        SelfRAGQueryEngine(llm=llm, retriever=FixedRetriever(), critic="reflection")
+
+
 def test_a_slow_setup_times_out_with_the_url() -> None:
     with StubServer(lambda method, path, body: Reply.json({}, delay=3.0)) as stub:
         with (

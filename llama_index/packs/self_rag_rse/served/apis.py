@@ -30,8 +30,7 @@ class ServerInfo:
     log-probs (``token_id:<id>`` or the string itself); ``verified`` says whether the server
     confirmed them (an OpenAI-style server without ``echo`` cannot). ``server`` is the kind of
     server (:data:`~.greedy.KINDS`) and ``sampling`` the fields every completion request
-    carries to decode greedily there (``request_options`` included).
-    """
+    carries to decode greedily there (``request_options`` included)."""
 
     api: str
     keys: dict[str, str]

@@ -59,10 +59,15 @@ def _seconds(value: Any) -> float | None:
 def split_url(url: str) -> tuple[str, str]:
     """``(root, openai_base)`` of a server URL given either way (``http://h:p`` or ``.../v1``)."""
     url = url.rstrip("/")
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+    try:  # a port out of range or not a number would fail deep in the first connection
+        parsed = urlparse(url)
+        valid = parsed.scheme in ("http", "https") and parsed.hostname and parsed.port != 0
+    except ValueError:
+        valid = False
+    if not valid:
         raise ValueError(
-            f"base_url must be an http(s) URL such as http://127.0.0.1:8080, got {url!r}"
+            f"base_url must be an http(s) URL with a host and a port in 1-65535, such as "
+            f"http://127.0.0.1:8080, got {url!r}"
         )
     if parsed.path.endswith("/v1"):
         return url[: -len("/v1")], url

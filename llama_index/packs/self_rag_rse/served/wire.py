@@ -65,8 +65,7 @@ class Position:
 
     ``top`` maps candidate keys to log-probs; ``None`` (with ``logprob``) when the server
     reported nothing for this position. ``pieces`` maps candidate keys to their raw bytes
-    (llama.cpp only). ``offset`` is where the token's text starts (OpenAI's ``text_offset``).
-    """
+    (llama.cpp only). ``offset`` is where the token's text starts (OpenAI's ``text_offset``)."""
 
     key: str
     logprob: float | None = None
@@ -193,8 +192,7 @@ def parse_native(body: Any) -> Completion:
     """Read a llama.cpp ``/completion`` response (``n_probs`` > 0, ``return_tokens: true``).
 
     Positions follow the generated ids; one the server did not report (a token ending inside a
-    UTF-8 character) has no ``top``/``logprob`` and the caller fetches it separately.
-    """
+    UTF-8 character) has no ``top``/``logprob`` and the caller fetches it separately."""
     tokens = _require(body, "tokens", list)
     entries = body.get("completion_probabilities") or []
     if not isinstance(entries, list):
@@ -248,8 +246,7 @@ class StreamedCompletion:
     llama-server's last ``/v1`` one; the ``text_offset`` of OpenAI's legacy log-probs). An event
     sent twice would put its tokens in the answer twice: :class:`MalformedBody`. Tokens counted
     but never streamed (llama-server holds back a token that ends inside a UTF-8 character and
-    sends its text, not its id, with the next one) add up in each chunk's ``extra["left_out"]``.
-    """
+    sends its text, not its id, with the next one) add up in each chunk's ``extra["left_out"]``."""
 
     def __init__(self, parse: Callable[[Any], Completion]) -> None:
         self.parse = parse
@@ -311,8 +308,7 @@ def parse_openai(body: Any, with_ids: bool = False, chunk: bool = False) -> Comp
     (they carry each token's id and bytes, like the native format). ``usage.completion_tokens``,
     when sent, goes to ``extra`` (llama-server leaves out of its log-probs a token that ends inside
     a UTF-8 character: the count tells). ``chunk``: one event of a streamed completion, where the
-    last one (``finish_reason`` set, no text) may carry no ``logprobs``.
-    """
+    last one (``finish_reason`` set, no text) may carry no ``logprobs``."""
     choice = _first_choice(body)
     text = choice.get("text", "")
     if not isinstance(text, str):

@@ -215,6 +215,19 @@ def test_a_timeout_must_be_a_finite_number_of_seconds(timeout: float) -> None:
         ServedReflectionCritic("http://127.0.0.1:1", timeout=timeout)
 
 
+@pytest.mark.parametrize("timeout", [None, "30", True])
+def test_a_timeout_that_is_no_number_is_named(timeout: Any) -> None:
+    # None and "30" used to fail with "'>' not supported between instances of ..." from the
+    # comparison; True was read as 1 second.
+    message = rf"timeout must be a finite number of seconds > 0, got {timeout!r}"
+    with pytest.raises(ValueError, match=message):
+        ServedReflectionCritic("http://127.0.0.1:1", timeout=timeout)
+    from llama_index.packs.self_rag_rse.served.http import JSONClient
+
+    with pytest.raises(ValueError, match=message):
+        JSONClient("http://127.0.0.1:1", timeout=timeout)
+
+
 @pytest.mark.parametrize("timeout", [math.inf, math.nan, True, -3.0])
 def test_an_llm_timeout_that_is_no_timeout_leaves_the_default(timeout: Any) -> None:
     from types import SimpleNamespace

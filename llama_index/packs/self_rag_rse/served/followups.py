@@ -43,8 +43,7 @@ class Followups:
 
     Args:
         top_n: the log-probs per position the completions asked for.
-        refetch: whether to ask the server for a group outside the top N (else bound it).
-    """
+        refetch: whether to ask the server for a group outside the top N (else bound it)."""
 
     def __init__(self, top_n: int, refetch: bool) -> None:
         self.top_n = top_n

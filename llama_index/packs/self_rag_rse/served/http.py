@@ -90,8 +90,7 @@ class JSONClient:
         timeout: seconds one request may take in all (connecting, waiting for the model,
             reading); connecting alone gets at most 10 s.
         num_workers: most requests in flight at once (per event loop).
-        api_key: sent as ``Authorization: Bearer <key>`` when given.
-    """
+        api_key: sent as ``Authorization: Bearer <key>`` when given."""
 
     def __init__(
         self,
@@ -103,8 +102,10 @@ class JSONClient:
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if not (timeout > 0 and math.isfinite(timeout)):
-            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}")
+        # None (no limit) would let a stalled server hang the query for ever; True is no number.
+        number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+        if not (number and timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
         self.base_url = base_url.rstrip("/")
         self.timeout = float(timeout)
         self.num_workers = num_workers

@@ -98,6 +98,38 @@ def test_a_url_with_no_usable_port_is_refused_at_construction(url: str) -> None:
         SelfRAGQueryEngine(llm=llm, retriever=FixedRetriever(), critic="reflection")
 
 
+LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+
+
+@pytest.mark.parametrize("api", ["auto", "openai"])
+def test_a_server_still_loading_its_model_is_not_taken_for_another_server(api: str) -> None:
+    # llama-server answers HTTP 503 to every path while it loads its model. That used to read
+    # as "not llama.cpp": the critic settled on the text API, unverified, for good, and an
+    # engine with critic="auto" quietly judged with prompts instead of reflection tokens.
+    from llama_index.packs.self_rag_rse.served.http import ServerNotReady
+
+    message = r"answered HTTP 503 \(not ready: loading its model, or overloaded\).*Loading model"
+    with (
+        StubServer(lambda method, path, body: Reply.json(LOADING, status=503)) as stub,
+        ServedReflectionCritic(stub.url, api=api, timeout=5) as critic,  # type: ignore[arg-type]
+    ):
+        with pytest.raises(ServerNotReady, match=message) as caught:
+            critic.connect()
+        assert isinstance(caught.value, ServerHTTPError) and caught.value.status == 503
+        assert critic.info is None  # nothing learned: the next try asks again
+    from llama_index.llms.openai_like import OpenAILike
+    from retrievers import FixedRetriever
+
+    from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
+
+    with StubServer(lambda method, path, body: Reply.json(LOADING, status=503)) as stub:
+        llm = OpenAILike(
+            api_base=f"{stub.url}/v1", model="m", is_chat_model=False, api_key="none", timeout=5
+        )
+        with pytest.raises(ServerNotReady, match=message):
+            SelfRAGQueryEngine(llm=llm, retriever=FixedRetriever())  # critic="auto"
+
+
 def test_a_slow_setup_times_out_with_the_url() -> None:
     with StubServer(lambda method, path, body: Reply.json({}, delay=3.0)) as stub:
         with (

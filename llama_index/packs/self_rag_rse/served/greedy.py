@@ -110,8 +110,7 @@ def check_greedy(
     the most likely one the server reported there (positions left unreported are skipped).
 
     ``server`` is the kind, ``url`` the endpoint and ``sent`` the sampling fields of the request,
-    so the message can name the option that made the difference.
-    """
+    so the message can name the option that made the difference."""
     for i, position in enumerate(completion.positions[start:], start):
         if not position.top or position.logprob is None:
             continue

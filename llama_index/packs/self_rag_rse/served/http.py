@@ -58,6 +58,10 @@ class ServerHTTPError(ServerError):
         self.body = body
 
 
+class ServerNotReady(ServerHTTPError):
+    """HTTP 503: the server is up but not ready (llama-server while it loads its model)."""
+
+
 class ServerRedirect(ServerError):
     """The server answered with a redirect (HTTP 3xx), which the client does not follow."""
 
@@ -273,13 +277,12 @@ class JSONClient:
         url = self.url(path)
         if 300 <= response.status_code < 400:
             raise self._redirect(method, path, response)
-        if response.status_code >= 400:
-            raise ServerHTTPError(
-                f"{method} {url} answered HTTP {response.status_code}: {_clip(text)}",
-                url,
-                response.status_code,
-                text,
-            )
+        if (status := response.status_code) >= 400:
+            error, wait = ServerHTTPError, ""
+            if status == 503:
+                error, wait = ServerNotReady, " (not ready: loading its model, or overloaded)"
+            message = f"{method} {url} answered HTTP {status}{wait}: {_clip(text)}"
+            raise error(message, url, status, text)
 
     def _redirect(self, method: str, path: str, response: httpx.Response) -> ServerRedirect:
         url = self.url(path)

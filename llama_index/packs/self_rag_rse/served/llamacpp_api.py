@@ -50,8 +50,7 @@ class LlamaCppAPI:
 
     Args:
         client: a client on the server's root URL (``http://host:port``, no ``/v1``).
-        request_options: extra fields for every ``/completion`` body.
-    """
+        request_options: extra fields for every ``/completion`` body."""
 
     name = "llama.cpp"
     endpoint = "/completion"

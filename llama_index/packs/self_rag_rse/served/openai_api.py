@@ -54,6 +54,7 @@ from llama_index.packs.self_rag_rse.served.http import (
     JSONClient,
     MalformedResponse,
     ServerError,
+    ServerNotReady,
     ServerRedirect,
 )
 from llama_index.packs.self_rag_rse.served.llamacpp_api import LlamaCppAPI
@@ -90,8 +91,7 @@ class OpenAIAPI:
             vLLM's ``/tokenize``.
         max_logprobs: the most log-probs per position the server returns (vLLM:
             ``--max-logprobs``); ``None``: the whole vocabulary on llama-cpp-python, no more than
-            a completion asked for elsewhere.
-    """
+            a completion asked for elsewhere."""
 
     name = "openai"
     endpoint = "/completions"
@@ -153,8 +153,8 @@ class OpenAIAPI:
     async def _kind(self) -> str:
         try:
             models = await self.client.get("/models")
-        except ServerRedirect:
-            raise  # the URL is wrong: every later request would be redirected too
+        except (ServerRedirect, ServerNotReady):
+            raise  # a wrong URL (every request redirected) or a server loading its model
         except ServerError as exc:
             logger.info("%s did not answer (%s): a generic server", self.client.url("/models"), exc)
             return OPENAI
@@ -176,7 +176,7 @@ class OpenAIAPI:
             if not (isinstance(text, str) and text.startswith(probe)):
                 # llama.cpp's /v1/completions ignores echo and just completes.
                 raise MalformedBody("the answer does not echo the prompt")
-        except ServerRedirect:
+        except (ServerRedirect, ServerNotReady):
             raise
         except (ServerError, MalformedBody) as exc:
             logger.info(

@@ -71,6 +71,7 @@ from llama_index.packs.self_rag_rse.served.http import (
     JSONClient,
     MalformedResponse,
     ServerHTTPError,
+    ServerNotReady,
 )
 from llama_index.packs.self_rag_rse.served.llamacpp_api import LlamaCppAPI
 from llama_index.packs.self_rag_rse.served.openai_api import OpenAIAPI
@@ -129,8 +130,7 @@ class ServedReflectionCritic(BaseCritic):
     Example::
 
         critic = ServedReflectionCritic("http://127.0.0.1:8080")
-        engine = SelfRAGQueryEngine(retriever=retriever, critic=critic)
-    """
+        engine = SelfRAGQueryEngine(retriever=retriever, critic=critic)"""
 
     name = "reflection"
 
@@ -187,8 +187,7 @@ class ServedReflectionCritic(BaseCritic):
         """The critic for the server behind an OpenAI-compatible LlamaIndex LLM.
 
         Reads ``api_base``, ``model``, ``api_key`` and ``timeout`` from ``llm`` (``OpenAILike``,
-        ``OpenAI(api_base=...)``); ``kwargs`` override them and set the other options.
-        """
+        ``OpenAI(api_base=...)``); ``kwargs`` override them and set the other options."""
         endpoint = endpoint_of(llm)
         if endpoint is None:
             raise TypeError(
@@ -269,6 +268,8 @@ class ServedReflectionCritic(BaseCritic):
             return openai
         try:
             props = await self._root_client.get("/props")
+        except ServerNotReady:
+            raise  # llama-server answers 503 to every path while it loads: not another server
         except (ServerHTTPError, MalformedResponse):  # not llama.cpp (404, an HTML page...)
             return openai
         if isinstance(props, Mapping) and "default_generation_settings" in props:
@@ -291,8 +292,7 @@ class ServedReflectionCritic(BaseCritic):
         With a ``threshold``: one request for the first position's distribution, retrieve when
         p([Retrieval]) / (p([Retrieval]) + p([No Retrieval])) exceeds it. With ``None``: the greedy
         continuation decides (retrieve when it contains ``[Retrieval]``). When retrieval is skipped
-        and ``answer_if_skipped``, a second request writes the answer after ``[No Retrieval]``.
-        """
+        and ``answer_if_skipped``, a second request writes the answer after ``[No Retrieval]``."""
         backend, info = await self._ready()
         prompt = await self._prompt(backend, info, query, Layout())
         new_tokens = 1 if threshold is not None else self.max_new_tokens
@@ -324,8 +324,7 @@ class ServedReflectionCritic(BaseCritic):
 
         Prompts are ``### Instruction:\\n{query}\\n\\n### Response:\\n[Retrieval]<paragraph>``
         + paragraph + ``</paragraph>``, as in process. A paragraph whose request failed comes
-        back with ``error`` set (naming the URL) and zero scores; the others are kept.
-        """
+        back with ``error`` set (naming the URL) and zero scores; the others are kept."""
         if not paragraphs:
             return []
         backend, info = await self._ready()

@@ -193,6 +193,29 @@ def test_missing_reflection_tokens_raise_a_clear_error(tiny_llm_plain: Any) -> N
         ReflectionCritic(tiny_llm_plain)
 
 
+def test_a_llamacpp_llm_is_read_through_and_anything_else_is_named(
+    tiny_gguf_paths: Any, tiny_llm: Any
+) -> None:
+    # A LlamaCPP used to fail with "'LlamaCPP' object has no attribute 'tokenize'", and a path
+    # or None with ModelClosedError ("the llama.cpp model was closed"), which it never was.
+    from llama_index.llms.llama_cpp import LlamaCPP
+
+    settings = {"n_ctx": 1024, "n_threads": 1, "n_threads_batch": 1, "type_k": 0, "type_v": 0}
+    path = str(tiny_gguf_paths["user_defined"])
+    llm = LlamaCPP(model_path=path, model_kwargs=settings, verbose=False)
+    try:
+        with ReflectionCritic(llm, max_new_tokens=30) as wrapped:
+            assert wrapped.llm is llm._model
+            judged = wrapped.judge(QUERIES[0], PARAGRAPHS[:2])
+        with ReflectionCritic(tiny_llm, max_new_tokens=30) as raw:
+            assert judged == raw.judge(QUERIES[0], PARAGRAPHS[:2])
+    finally:
+        llm._model.close()
+    for wrong in (path, None):
+        with pytest.raises(TypeError, match=r"ReflectionCritic needs a LlamaCPP or a llama_cpp\."):
+            ReflectionCritic(wrong)
+
+
 def test_gate_follows_the_threshold(
     talkative_critic: ReflectionCritic, talkative_llm: Any, talkative_reference: Any, reference: Any
 ) -> None:

@@ -81,15 +81,10 @@ class LlamaCppBackend(CriticBackend):
         n_threads: int | None = None,
         share_prefixes: bool = True,
     ) -> None:
-        llama = compat.llama_of(model)
-        if llama is None:
-            raise TypeError(
-                f"LlamaCppBackend needs a LlamaCPP or a llama_cpp.Llama, got {type(model).__name__}"
-            )
-        self.llama: llama_cpp.Llama = llama
+        self.llama: llama_cpp.Llama = compat.llama_of(model, "LlamaCppBackend")
         self.max_new_tokens = max_new_tokens
         self._worker = DecoderWorker(
-            llama,
+            self.llama,
             "llama-cpp-critic",
             n_seq_max=n_seq_max,
             n_ctx=n_ctx,
@@ -97,7 +92,7 @@ class LlamaCppBackend(CriticBackend):
             share_prefixes=share_prefixes,
         )
         self.decoder = self._worker.decoder
-        self.tokenizer = PromptTokenizer(llama, model, self.decoder.n_ctx)
+        self.tokenizer = PromptTokenizer(self.llama, model, self.decoder.n_ctx)
         self.prompt_format = self.tokenizer.prompt_format
 
     # --- CriticBackend -------------------------------------------------------------------------

@@ -12,6 +12,7 @@ Tested against llama-cpp-python 0.3.x (0.3.16 and later).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -42,16 +43,18 @@ def import_llama_cpp(feature: str = "the llama.cpp backend") -> Any:
     return optional_import("llama_cpp", feature, "llama-cpp")
 
 
-def llama_of(llm: Any) -> llama_cpp.Llama | None:
-    """The ``llama_cpp.Llama`` behind ``llm`` (itself, or a ``LlamaCPP``'s ``_model``), if any."""
-    try:
+def llama_of(llm: Any, owner: str | None = None) -> Any:
+    """The ``llama_cpp.Llama`` behind ``llm`` (itself, or a ``LlamaCPP``'s ``_model``), if any;
+    with an ``owner`` that needs one, a ``TypeError`` naming it when there is none."""
+    with contextlib.suppress(ImportError):  # without llama_cpp there is no Llama either
         import llama_cpp
-    except ImportError:
-        return None
-    if isinstance(llm, llama_cpp.Llama):
-        return llm
-    model = getattr(llm, "_model", None)
-    return model if isinstance(model, llama_cpp.Llama) else None
+
+        model = llm if isinstance(llm, llama_cpp.Llama) else getattr(llm, "_model", None)
+        if isinstance(model, llama_cpp.Llama):
+            return model
+    if owner is not None:
+        raise TypeError(f"{owner} needs a LlamaCPP or a llama_cpp.Llama, got {type(llm).__name__}")
+    return None
 
 
 def _internal_model(llama: llama_cpp.Llama) -> Any:
@@ -68,11 +71,7 @@ def is_closed(llama: llama_cpp.Llama) -> bool:
     Both ``Llama.close()`` and ``llama._model.close()`` leave ``llama._model`` in place with its
     ``model`` pointer set to None; that is what this reads.
     """
-    try:
-        _internal_model(llama)
-    except ModelClosedError:
-        return True
-    return False
+    return getattr(getattr(llama, "_model", None), "model", None) is None
 
 
 def closed_check(llama: llama_cpp.Llama) -> Callable[[], bool]:

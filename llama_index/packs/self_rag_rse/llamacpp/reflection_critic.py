@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from llama_index.core.instrumentation import get_dispatcher
@@ -53,8 +53,8 @@ class ReflectionCritic(BaseCritic):
     """The critic for Self-RAG GGUFs (reflection tokens in the vocabulary) on llama.cpp.
 
     Args:
-        llm: a ``llama_cpp.Llama`` holding a Self-RAG model (e.g. ``selfrag_llama2_7b``). Its
-            weights are shared with a second, multi-sequence llama.cpp context.
+        llm: a ``llama_cpp.Llama`` (or a ``LlamaCPP``) holding a Self-RAG model (e.g.
+            ``selfrag_llama2_7b``). Its weights are shared with a second, multi-sequence context.
         max_new_tokens: tokens generated per answer. 50, like LlamaIndex's Self-RAG pack: the
             grounding and utility tokens come *after* the answer, so a short budget (Self-RAG's
             short-form scripts use 15) cuts them off and IsSUP/IsUSE fall to 0.
@@ -80,7 +80,7 @@ class ReflectionCritic(BaseCritic):
 
     def __init__(
         self,
-        llm: llama_cpp.Llama,
+        llm: Any,
         *,
         max_new_tokens: int = 50,
         n_seq_max: int = 10,
@@ -91,9 +91,10 @@ class ReflectionCritic(BaseCritic):
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        llm = compat.llama_of(llm, "ReflectionCritic")
         if compat.is_closed(llm):
             raise compat.ModelClosedError()
-        self.llm = llm
+        self.llm: llama_cpp.Llama = llm
         self.max_new_tokens = max_new_tokens
         #: Id of every Self-RAG special string (13 reflection tokens + 2 paragraph markers).
         self.token_ids: dict[str, int] = _resolve_token_ids(llm)

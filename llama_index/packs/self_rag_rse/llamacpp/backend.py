@@ -81,6 +81,8 @@ class LlamaCppBackend(CriticBackend):
         n_threads: int | None = None,
         share_prefixes: bool = True,
     ) -> None:
+        if max_new_tokens < 1:  # 0 would answer "" to every prompt, and nothing would say so
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.llama: llama_cpp.Llama = compat.llama_of(model, "LlamaCppBackend")
         self.max_new_tokens = max_new_tokens
         self._worker = DecoderWorker(

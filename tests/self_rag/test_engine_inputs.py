@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -415,6 +416,33 @@ def test_a_critic_that_returns_the_wrong_type_is_named(broken):
     engine = SelfRAGQueryEngine(retriever=FixedRetriever(), critic=Wrong(), mode=mode)
     expected = "adecide_retrieval must return a RetrievalDecision, got True"
     if broken == "answer":
-        expected = r"Wrong.agenerate and .ajudge must give text as the answer, got None"
+        expected = r"Wrong.agenerate, .astream_generate and .ajudge must give text, got None"
     with pytest.raises(TypeError, match=expected):
         engine.query("What does the while statement do?")
+
+
+@pytest.mark.parametrize("pieces", [[None], ["an answer", None], [b"bytes"], [7, "x"]])
+def test_a_critic_whose_stream_yields_no_text_is_named(pieces):
+    # A streamed piece that is no text used to fail in the stream's whitespace handling:
+    # AttributeError: 'NoneType' object has no attribute 'lstrip', or a failed concatenation.
+    class Streaming(Recording):
+        async def astream_generate(self, query):
+            for piece in pieces:
+                yield piece
+
+    engine = SelfRAGQueryEngine(
+        retriever=FixedRetriever(), critic=Streaming(), mode="no_retrieval", streaming=True
+    )
+    wrong = next(piece for piece in pieces if not isinstance(piece, str))
+    expected = re.escape(
+        f"Streaming.agenerate, .astream_generate and .ajudge must give text, got {wrong!r}"
+    )
+    with pytest.raises(TypeError, match=expected):
+        "".join(engine.query("What does the while statement do?").response_gen)
+
+    async def read() -> str:
+        response = await engine.aquery("What does the while statement do?")
+        return "".join([piece async for piece in response.async_response_gen()])
+
+    with pytest.raises(TypeError, match=expected):
+        asyncio.run(read())

@@ -21,11 +21,11 @@ def unsent_rest(emitted: str, final: str) -> str:
 
 def stripped(pieces: Iterable[str], final: Callable[[str], str]) -> Generator[str, None, None]:
     """``pieces`` with the answer's outer whitespace held back, so that they join to the
-    stripped answer (what a non-streamed response holds); an answer that is all whitespace
-    becomes ``final("")`` (the engine's no-answer text)."""
+    stripped answer (what a non-streamed response holds); an all-whitespace answer becomes
+    ``final("")`` (the engine's no-answer text), a piece that is no text ``final(piece)``."""
     holder = Stripper()
     for piece in pieces:
-        if text := holder.feed(piece):
+        if text := holder.feed(piece if isinstance(piece, str) else final(piece)):
             yield text
     if holder.empty:
         yield final("")
@@ -37,7 +37,7 @@ async def astripped(
     """Async :func:`stripped`."""
     holder = Stripper()
     async for piece in pieces:
-        if text := holder.feed(piece):
+        if text := holder.feed(piece if isinstance(piece, str) else final(piece)):
             yield text
     if holder.empty:
         yield final("")

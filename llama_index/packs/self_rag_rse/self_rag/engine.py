@@ -484,8 +484,8 @@ class SelfRAGQueryEngine(CustomQueryEngine):
     def _final(self, answer: str, meta: dict[str, Any]) -> str:
         """The response text: never empty (an empty answer says so, in the text and the trace)."""
         if not isinstance(answer, str):
-            raise TypeError(f"{type(self._critic).__name__}.agenerate and .ajudge must give text "
-                            f"as the answer, got {answer!r:.80}")  # fmt: skip
+            raise TypeError(f"{type(self._critic).__name__}.agenerate, .astream_generate and "
+                            f".ajudge must give text, got {answer!r:.80}")  # fmt: skip
         answer = answer.strip()
         if not answer:
             meta["trace"].append({"step": "no_answer", "reason": "the model generated no text"})

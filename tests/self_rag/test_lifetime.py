@@ -215,6 +215,48 @@ def test_a_script_on_the_bundled_smollm2_exits_quietly_without_close() -> None:
     assert_exited_quietly(done, answers=1)
 
 
+#: A reader that stops after the first piece of a streamed answer (a chat UI closed, a
+#: ``break``) and a script that then ends, the response still referenced. argv: the GGUF's path.
+UNREAD_STREAM_SCRIPT = """
+import sys
+
+from llama_index.core.base.base_retriever import BaseRetriever
+
+from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
+
+
+class Nothing(BaseRetriever):
+    def _retrieve(self, query_bundle):
+        return []
+
+
+engine = SelfRAGQueryEngine(
+    sys.argv[1], Nothing(), model_kwargs={"n_ctx": 512, "n_threads": 1},
+    mode="no_retrieval", streaming=True, max_new_tokens=100,
+)
+response = engine.query("What does the while statement do?")
+for piece in response.response_gen:
+    print("piece:", piece)
+    break
+"""
+
+
+def test_a_script_that_stops_reading_a_stream_exits(talkative_gguf: Path) -> None:
+    # Closing the unread stream at interpreter exit waited forever on the package's event loop,
+    # whose thread Python has frozen by then: the script never ended.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", UNREAD_STREAM_SCRIPT, str(talkative_gguf)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert_exited_quietly(done, answers=0)
+    assert done.stdout.count("piece:") == 1, done.stdout + done.stderr
+
+
 # --- the pack and the engine as context managers ------------------------------------------------
 
 

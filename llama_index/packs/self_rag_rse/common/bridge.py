@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import contextvars
 import functools
+import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterator
 from typing import Any, TypeVar
@@ -133,8 +134,8 @@ def iterate_sync(stream: AsyncIterator[T]) -> Iterator[T]:
             except StopAsyncIteration:
                 return
     finally:
-        close = getattr(stream, "aclose", None)
-        if close is not None:
+        # A stream left unread until the interpreter exits: the loop's thread is frozen by then.
+        if (close := getattr(stream, "aclose", None)) is not None and not sys.is_finalizing():
             run_sync(close())
 
 

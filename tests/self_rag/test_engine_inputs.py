@@ -36,6 +36,21 @@ def test_unknown_option_through_the_pack(tiny_gguf_paths):
         SelfRAGPack(str(tiny_gguf_paths["user_defined"]), FixedRetriever(), treshold=0.2)
 
 
+@pytest.mark.parametrize(
+    ("option", "closest"), [("nctx", "n_ctx"), ("n_gpu_layer", "n_gpu_layers")]
+)
+def test_a_misspelt_model_kwargs_option_names_the_closest_one(tiny_gguf_paths, option, closest):
+    # llama_cpp.Llama takes **kwargs and drops what it does not know: a misspelt n_ctx used to
+    # load the model with the default context (n_gpu_layer: on the GPU anyway), without a word.
+    path = str(tiny_gguf_paths["user_defined"])
+    message = rf"model_kwargs got unknown option '{option}' \(did you mean '{closest}'\?\)"
+    with pytest.raises(TypeError, match=message):
+        SelfRAGQueryEngine(path, FixedRetriever(), model_kwargs={option: 512})
+    with pytest.raises(TypeError, match=message):
+        SelfRAGPack(path, FixedRetriever(), model_kwargs={"n_threads": 1, option: 0})
+    SelfRAGQueryEngine(path, FixedRetriever(), model_kwargs={"n_ctx": 512, "n_threads": 1}).close()
+
+
 @pytest.mark.parametrize("name", ["w_rel", "w_sup", "w_use", "support_threshold"])
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_non_finite_weights_are_rejected(make_engine, name, value):

@@ -180,13 +180,12 @@ def calibrate_minmax(scores: ArrayLike, low: float, high: float) -> float | Floa
 def calibrate_cosine_adaptive(scores: ArrayLike, low: float, high: float) -> FloatArray:
     """:func:`calibrate_minmax` over ``(low, max(high, best score))``: one query's scores.
 
-    ``scores`` are the similarities of one query's hits. When the best of them is above
-    ``high``, the range stretches up to it: the best hit maps to 1 and the others keep their
-    spacing below it, where a fixed range would map every hit above ``high`` to 1 (with
-    all-MiniLM-L6-v2 and the default range, a question's top hits score 0.55-0.75 and would all
-    count as equally relevant). When no hit reaches ``high`` the result is
-    :func:`calibrate_minmax`'s, so a query with only weak hits still gets low relevance.
-    Infinite scores map to 0 or 1 and do not stretch the range.
+    ``scores`` are the similarities of one query's hits. When the best of them is above ``high``,
+    the range stretches up to it: the best hit maps to 1 and the others keep their spacing below it,
+    where a fixed range would map every hit above ``high`` to 1 (with all-MiniLM-L6-v2 and the
+    default range, a question's top hits score 0.55-0.75 and would all count as equally relevant).
+    When no hit reaches ``high`` the result is :func:`calibrate_minmax`'s, so a query with only weak
+    hits still gets low relevance. Infinite scores map to 0 or 1 and do not stretch the range.
     """
     values = np.asarray(scores, dtype=np.float64)
     finite = values[np.isfinite(values)]

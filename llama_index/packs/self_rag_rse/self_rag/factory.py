@@ -11,8 +11,10 @@ import logging
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from inspect import signature
 from typing import Any
 
+from llama_index.packs.self_rag_rse.common.options import reject_unknown
 from llama_index.packs.self_rag_rse.llamacpp.compat import import_llama_cpp, llama_of
 from llama_index.packs.self_rag_rse.self_rag.backend import CriticBackend
 from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic
@@ -39,8 +41,10 @@ class BuiltCritic:
 def load_llama(model_path: str, model_kwargs: Mapping[str, Any] | None = None) -> Any:
     """A ``llama_cpp.Llama`` on the GGUF at ``model_path`` (:data:`DEFAULT_MODEL_KWARGS` under
     ``model_kwargs``); the engine's ``model_path=`` loads through here."""
-    kwargs = {**DEFAULT_MODEL_KWARGS, **dict(model_kwargs or {})}
-    return import_llama_cpp("model_path").Llama(model_path=str(model_path), **kwargs)
+    llama = import_llama_cpp("model_path").Llama
+    # Llama drops keyword arguments it does not know: a misspelt option would vanish.
+    reject_unknown("model_kwargs", model_kwargs or {}, signature(llama).parameters)
+    return llama(model_path=str(model_path), **{**DEFAULT_MODEL_KWARGS, **dict(model_kwargs or {})})
 
 
 def _backend(model: Any, max_new_tokens: int) -> CriticBackend:

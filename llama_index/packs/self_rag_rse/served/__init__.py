@@ -1,15 +1,14 @@
 """Self-RAG models behind a server: llama.cpp's ``llama-server``, llama-cpp-python's server,
 vLLM, any ``/v1/completions``.
 
-The reflection critic here speaks HTTP instead of decoding in process, and scores with the same
-code (:mod:`..self_rag.reflection`). Layers, bottom-up: :mod:`.wire` reads response bodies
-(pure), :mod:`.http` sends requests (timeouts, bounded concurrency, errors naming the URL),
-:mod:`.greedy` says what makes each kind of server decode greedily and checks that it did,
-:mod:`.apis` is the contract that :mod:`.llamacpp_api` (llama.cpp's native API) and
-:mod:`.openai_api` (the OpenAI one) implement, :mod:`.followups` completes what a completion
-left out, and :mod:`.reflection_critic` is the critic. :mod:`.endpoint` reads the server URL off
-an OpenAI-compatible LlamaIndex LLM, which is how
-``SelfRAGQueryEngine(llm=OpenAILike(...), critic="reflection")`` finds the server.
+The reflection critic here speaks HTTP instead of decoding in process, and scores with the same code
+(:mod:`..self_rag.reflection`). Layers, bottom-up: :mod:`.wire` reads response bodies (pure),
+:mod:`.http` sends requests (timeouts, bounded concurrency, errors naming the URL), :mod:`.greedy`
+says what makes each kind of server decode greedily and checks that it did, :mod:`.apis` is the
+contract that :mod:`.llamacpp_api` (llama.cpp's native API) and :mod:`.openai_api` (the OpenAI one)
+implement, :mod:`.followups` completes what a completion left out, and :mod:`.reflection_critic` is
+the critic. :mod:`.endpoint` reads the server URL off an OpenAI-compatible LlamaIndex LLM, which is
+how ``SelfRAGQueryEngine(llm=OpenAILike(...), critic="reflection")`` finds the server.
 """
 
 from llama_index.packs.self_rag_rse.served.apis import ReflectionTokensUnidentifiable

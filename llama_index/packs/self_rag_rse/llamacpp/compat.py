@@ -59,10 +59,9 @@ def llama_of(llm: Any, owner: str | None = None) -> Any:
 
 def _internal_model(llama: llama_cpp.Llama) -> Any:
     """llama-cpp-python's ``_internals.LlamaModel`` wrapper, or raise if the Llama was closed."""
-    wrapper = getattr(llama, "_model", None)
-    if wrapper is None or getattr(wrapper, "model", None) is None:
+    if is_closed(llama):
         raise ModelClosedError()
-    return wrapper
+    return llama._model
 
 
 def is_closed(llama: llama_cpp.Llama) -> bool:

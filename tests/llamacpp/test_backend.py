@@ -155,9 +155,10 @@ def judge_one(backend: CriticBackend) -> list[ParagraphResult]:
     return asyncio.run(backend.judge_paragraphs(QUERY, PARAGRAPHS[:1], PROMPTS))
 
 
-@pytest.mark.parametrize("max_new_tokens", [0, -1])
+@pytest.mark.parametrize("max_new_tokens", [0, -1, 2.5])
 def test_an_answer_length_below_one_is_refused(digits_llm: Any, max_new_tokens: int) -> None:
     # 0 used to give every answer as "" (the engine then said no answer could be generated,
     # for every question) and -1 failed at the first decode, both without naming the option.
-    with pytest.raises(ValueError, match=f"max_new_tokens must be >= 1, got {max_new_tokens}"):
+    message = f"LlamaCppBackend: max_new_tokens must be an integer >= 1, got {max_new_tokens}"
+    with pytest.raises(ValueError, match=message):
         LlamaCppBackend(digits_llm, max_new_tokens=max_new_tokens)

@@ -356,3 +356,28 @@ def test_concurrent_and_async_calls(talkative_critic: ReflectionCritic) -> None:
     judged, decision, answer = asyncio.run(run_async())
     assert [j.answer for j in judged] == [j.answer for j in expected[QUERIES[0]]]
     assert answer and decision.answer == answer
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "owner"),
+    [
+        ("max_new_tokens", 2.5, "ReflectionCritic"),
+        ("n_seq_max", 2.5, "ReflectionCritic"),
+        ("n_seq_max", True, "ReflectionCritic"),
+        ("n_seq_max", "4", "ReflectionCritic"),
+        ("n_threads", 0, "BatchedDecoder"),
+        ("n_threads", True, "BatchedDecoder"),
+        ("n_threads", -1, "BatchedDecoder"),
+        ("n_ctx", 0, "BatchedDecoder"),
+        ("n_ctx", 2.5, "BatchedDecoder"),
+    ],
+)
+def test_a_size_that_is_no_whole_number_above_zero_is_named(
+    tiny_llm: Any, option: str, value: Any, owner: str
+) -> None:
+    # These used to be accepted: n_threads 0 or True meant "the default", n_ctx 0 a context of
+    # no cells (every prompt then "too long"), n_seq_max 2.5 a batch of 2.5 sequences, and "4"
+    # failed with "'>' not supported between instances of 'str' and 'int'".
+    message = re.escape(f"{owner}: {option} must be an integer >= 1, got {value!r}")
+    with pytest.raises(ValueError, match=message):
+        ReflectionCritic(tiny_llm, **{option: value})

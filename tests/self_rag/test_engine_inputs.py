@@ -461,3 +461,38 @@ def test_a_critic_whose_stream_yields_no_text_is_named(pieces):
 
     with pytest.raises(TypeError, match=expected):
         asyncio.run(read())
+
+
+@pytest.mark.parametrize("kind", ["plain_generator", "coroutine"])
+def test_a_critic_whose_astream_generate_is_no_async_generator_is_named(kind):
+    # A plain ``def`` with ``yield`` used to fail inside the sync bridge with AttributeError:
+    # 'generator' object has no attribute '__anext__' (async: "'async for' requires ...").
+    class Streaming(Recording):
+        if kind == "plain_generator":
+
+            def astream_generate(self, query):
+                yield "an answer"
+        else:
+
+            async def astream_generate(self, query):
+                return "an answer"
+
+    engine = SelfRAGQueryEngine(
+        retriever=FixedRetriever(), critic=Streaming(), mode="no_retrieval", streaming=True
+    )
+    got = "generator" if kind == "plain_generator" else "coroutine"
+    expected = re.escape(
+        "Streaming.astream_generate must be an async generator (async def with yield), "
+        f"got {got}"
+    )
+    with pytest.raises(TypeError, match=expected):
+        "".join(engine.query("What does the while statement do?").response_gen)
+    with pytest.raises(TypeError, match=expected):
+        list(Streaming().stream_generate("q"))
+
+    async def read() -> str:
+        response = await engine.aquery("What does the while statement do?")
+        return "".join([piece async for piece in response.async_response_gen()])
+
+    with pytest.raises(TypeError, match=expected):
+        asyncio.run(read())

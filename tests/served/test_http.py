@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
 from contextlib import closing
 from typing import Any
@@ -258,6 +259,20 @@ def test_a_timeout_that_is_no_number_is_named(timeout: Any) -> None:
 
     with pytest.raises(ValueError, match=message):
         JSONClient("http://127.0.0.1:1", timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("n_ctx", 0), ("n_ctx", 2.5), ("max_new_tokens", 2.5), ("top_logprobs", True)]
+    + [("max_logprobs", 0), ("num_workers", 0)],
+)
+def test_a_size_that_is_no_whole_number_above_zero_is_refused(option: str, value: Any) -> None:
+    # These used to be accepted: n_ctx=0 as the size of the server's context, 2.5 new tokens,
+    # True log-probs per position, and so on.
+    owner = "JSONClient" if option == "num_workers" else "ServedReflectionCritic"
+    message = re.escape(f"{owner}: {option} must be an integer >= 1, got {value!r}")
+    with pytest.raises(ValueError, match=message):
+        ServedReflectionCritic("http://127.0.0.1:1", **{option: value})
 
 
 @pytest.mark.parametrize("timeout", [math.inf, math.nan, True, -3.0])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -50,3 +51,11 @@ def require_finite(owner: str, **values: float | None) -> None:
             raise ValueError(f"{owner}: {name} must be a number, got {value!r}")
         if not math.isfinite(float(value)):
             raise ValueError(f"{owner}: {name} must be a finite number, got {value!r}")
+
+
+def require_counts(owner: str, **values: Any) -> None:
+    """Raise ``ValueError`` unless each option is an integer >= 1 (``None`` is allowed)."""
+    for name, value in values.items():
+        whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        if value is not None and not (whole and value >= 1):
+            raise ValueError(f"{owner}: {name} must be an integer >= 1, got {value!r}")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from llama_index.core.prompts import BasePromptTemplate
 
+from llama_index.packs.self_rag_rse.common.options import require_counts
 from llama_index.packs.self_rag_rse.llamacpp import compat
 from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
 from llama_index.packs.self_rag_rse.llamacpp.prompt_tokens import PromptTokenizer
@@ -81,8 +82,7 @@ class LlamaCppBackend(CriticBackend):
         n_threads: int | None = None,
         share_prefixes: bool = True,
     ) -> None:
-        if max_new_tokens < 1:  # 0 would answer "" to every prompt, and nothing would say so
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        require_counts("LlamaCppBackend", max_new_tokens=max_new_tokens, n_seq_max=n_seq_max)
         self.llama: llama_cpp.Llama = compat.llama_of(model, "LlamaCppBackend")
         self.max_new_tokens = max_new_tokens
         self._worker = DecoderWorker(

@@ -35,6 +35,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from llama_index.packs.self_rag_rse.common.options import require_counts
 from llama_index.packs.self_rag_rse.llamacpp import compat
 from llama_index.packs.self_rag_rse.llamacpp.context import DecodeStats, NativeContext
 from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation, ConversationSettings
@@ -112,8 +113,8 @@ class BatchedDecoder:
         share_prefixes: bool = True,
     ) -> None:
         lib = compat.import_llama_cpp("the batched decoder")
-        if n_seq_max < 1:
-            raise ValueError(f"n_seq_max must be >= 1, got {n_seq_max}")
+        counts = dict(n_seq_max=n_seq_max, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads)
+        require_counts("BatchedDecoder", **counts)
         if n_batch < n_seq_max:
             raise ValueError(f"n_batch ({n_batch}) must be >= n_seq_max ({n_seq_max})")
         if compat.is_closed(llm):

@@ -18,6 +18,7 @@ import numpy as np
 from llama_index.core.instrumentation import get_dispatcher
 from numpy.typing import NDArray
 
+from llama_index.packs.self_rag_rse.common.options import require_counts
 from llama_index.packs.self_rag_rse.llamacpp import compat
 from llama_index.packs.self_rag_rse.llamacpp.context import DecodeError
 from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
@@ -89,8 +90,7 @@ class ReflectionCritic(BaseCritic):
         kv_unified: bool | None = None,
         flash_attn: bool | None = None,
     ) -> None:
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        require_counts("ReflectionCritic", max_new_tokens=max_new_tokens, n_seq_max=n_seq_max)
         llm = compat.llama_of(llm, "ReflectionCritic")
         if compat.is_closed(llm):
             raise compat.ModelClosedError()

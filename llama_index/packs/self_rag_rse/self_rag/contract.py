@@ -150,7 +150,7 @@ class BaseCritic(PromptMixin, ABC):
 
     def stream_generate(self, query: str) -> Iterator[str]:
         """Blocking :meth:`astream_generate`: pieces arrive as the model writes them."""
-        return iterate_sync(self.astream_generate(query))
+        return iterate_sync(stream_of(self, query))
 
     def close(self) -> None:
         """Free what the critic holds; the models it was given stay open."""
@@ -173,3 +173,14 @@ class BaseCritic(PromptMixin, ABC):
 
     def _update_prompts(self, prompts_dict: PromptDictType) -> None:
         """Nothing to update unless the subclass has prompts."""
+
+
+def stream_of(critic: BaseCritic, query: str) -> AsyncIterator[str]:
+    """``critic.astream_generate(query)``, or a ``TypeError`` naming the critic where that is no
+    async generator (a plain ``def`` with ``yield``, an ``async def`` that returns)."""
+    stream = critic.astream_generate(query)
+    if not hasattr(stream, "__anext__"):
+        getattr(stream, "close", lambda: None)()  # an un-awaited coroutine would warn
+        raise TypeError(f"{type(critic).__name__}.astream_generate must be an async generator "
+                        f"(async def with yield), got {type(stream).__name__}")  # fmt: skip
+    return stream

@@ -51,7 +51,11 @@ from llama_index.packs.self_rag_rse.common.options import (
     require_finite,
 )
 from llama_index.packs.self_rag_rse.common.streams import astripped, stripped
-from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic, ParagraphJudgement
+from llama_index.packs.self_rag_rse.self_rag.contract import (
+    BaseCritic,
+    ParagraphJudgement,
+    stream_of,
+)
 from llama_index.packs.self_rag_rse.self_rag.factory import build_critic
 from llama_index.packs.self_rag_rse.self_rag.flow import FlowParts, Outcome, check_query, query_meta
 from llama_index.packs.self_rag_rse.self_rag.long_form import long_form, long_form_unsupported
@@ -411,7 +415,7 @@ class SelfRAGQueryEngine(CustomQueryEngine):
     async def _astream(self, pieces: list[str] | None, query: str) -> AsyncIterator[str]:
         """The answer's ``pieces``, or (``None``) the model's own answer as it writes it."""
         if pieces is None:
-            async for piece in self._critic.astream_generate(query):
+            async for piece in stream_of(self._critic, query):
                 yield piece
         for piece in pieces or []:
             yield piece

@@ -100,16 +100,3 @@ def as_template(
             f"{', '.join((variables or PROMPT_VARIABLES)[key])} (query, paragraph text, answer)"
         )
     return template
-
-
-#: The corrective loop's default prompts as plain format strings (``{query}``), kept for callers
-#: of earlier releases; the engine's templates are in :mod:`.prompts` (``get_prompts()``).
-QUERY2DOC_INSTRUCTION = (
-    ENGINE_PROMPTS["query2doc_prompt"].get_template().replace("{query_str}", "{query}")
-)
-REWRITE_INSTRUCTION = (
-    ENGINE_PROMPTS["rewrite_prompt"].get_template().replace("{query_str}", "{query}")
-)
-GROUNDED_INSTRUCTION = (
-    ENGINE_PROMPTS["grounded_prompt"].get_template().replace("{query_str}", "{query}")
-)

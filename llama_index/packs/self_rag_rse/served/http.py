@@ -26,6 +26,7 @@ from urllib.parse import urljoin
 
 import httpx
 
+from llama_index.packs.self_rag_rse.common.options import require_counts
 from llama_index.packs.self_rag_rse.served.wire import MalformedBody
 
 T = TypeVar("T")
@@ -104,8 +105,7 @@ class JSONClient:
         num_workers: int = 8,
         api_key: str | None = None,
     ) -> None:
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        require_counts("JSONClient", num_workers=num_workers)
         # None (no limit) would let a stalled server hang the query for ever; True is no number.
         number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
         if not (number and timeout > 0 and math.isfinite(timeout)):

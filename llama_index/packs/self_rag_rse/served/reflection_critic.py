@@ -34,6 +34,7 @@ from typing import Any, Literal
 from llama_index.core.instrumentation import get_dispatcher
 
 from llama_index.packs.self_rag_rse.common.bridge import run_sync
+from llama_index.packs.self_rag_rse.common.options import require_counts
 from llama_index.packs.self_rag_rse.common.streams import unsent_rest
 from llama_index.packs.self_rag_rse.self_rag.contract import (
     BaseCritic,
@@ -156,10 +157,8 @@ class ServedReflectionCritic(BaseCritic):
             raise ValueError(
                 f"missing_logprobs must be 'auto', 'refetch' or 'bound', got {missing_logprobs!r}"
             )
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if top_logprobs < 1:
-            raise ValueError(f"top_logprobs must be >= 1, got {top_logprobs}")
+        counts = dict(max_new_tokens=max_new_tokens, top_logprobs=top_logprobs, n_ctx=n_ctx)
+        require_counts("ServedReflectionCritic", **counts, max_logprobs=max_logprobs)
         if max_logprobs is not None and max_logprobs < top_logprobs:
             raise ValueError(
                 f"max_logprobs ({max_logprobs}) must be >= top_logprobs ({top_logprobs}): it is "

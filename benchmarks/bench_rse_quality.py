@@ -53,7 +53,10 @@ through LlamaCPP, or ``--llm-model PATH``), results cached under ``--cache-dir``
 costs no LLM call. The last stdout line is one JSON object: ``{"budgets": [...], "methods":
 {"top-k": {"recall": [...], "precision": [...]}, "rse": ..., "headers+top-k": ...,
 "headers+rse": ...}, ...}`` from the question set (the heading queries without one; with
-both, the heading queries' figures are under ``"heading_queries"``).
+both, the heading queries' figures are under ``"heading_queries"``). Where some gold evidence
+stands in the corpus more than once (a corpus that holds a document twice), a second table gives
+recall counting every verbatim copy of it (``"recall_text"`` in the JSON; otherwise equal to
+``"recall"``).
 
 Run: python benchmarks/bench_rse_quality.py [--docs DIR [--qa FILE.jsonl]] [--budgets ...]
 """
@@ -97,10 +100,31 @@ class Query:
     start: int
     end: int
     more: list[tuple[int, int]] = field(default_factory=list)
+    #: Per gold span (in :attr:`gold`'s order), every (document, start) where its exact text
+    #: stands in the corpus (filled by :func:`find_copies`; empty: only where it is).
+    copies: list[list[tuple[str, int]]] = field(default_factory=list)
 
     @property
     def gold(self) -> list[tuple[str, int, int]]:
         return merge_spans([(self.doc, self.start, self.end)] + [(self.doc, *s) for s in self.more])
+
+
+def find_copies(queries: list[Query], texts: dict[str, str]) -> int:
+    """Fill each query's :attr:`Query.copies`; return how many gold spans stand verbatim more
+    than once (a corpus that holds a filing twice: either copy is the same evidence)."""
+    repeated = 0
+    for query in queries:
+        query.copies = []
+        for doc, start, end in query.gold:
+            evidence, found = texts[doc][start:end], []
+            for name, text in texts.items():
+                at = text.find(evidence)
+                while at >= 0:
+                    found.append((name, at))
+                    at = text.find(evidence, at + 1)
+            query.copies.append(found)
+            repeated += len(found) > 1
+    return repeated
 
 
 @dataclass
@@ -242,6 +266,20 @@ def score(spans, query: Query) -> tuple[float, float, float]:
     return hit / wanted, (hit / total if total else 0.0), hit / (total + wanted - hit)
 
 
+def text_recall(spans, query: Query) -> float:
+    """Recall counting the evidence wherever its exact text stands: each gold span scores the
+    best of its verbatim copies (:attr:`Query.copies`). Equal to :func:`score`'s recall unless
+    the evidence is in the corpus more than once."""
+    returned, gold = merge_spans(spans), query.gold
+    hit = 0
+    for (doc, start, end), copies in zip(gold, query.copies or [[]] * len(gold), strict=True):
+        hit += max(
+            sum(max(0, min(e, at + end - start) - max(s, at)) for d, s, e in returned if d == name)
+            for name, at in copies or [(doc, start)]
+        )
+    return hit / sum(e - s for _, s, e in gold)
+
+
 # -- indexes --------------------------------------------------------------------------------------
 def index_of(name: str, documents, transformations, embed, top_k: int) -> Index:
     """Build the index (timed: preparing, embedding) the ``evaluate`` command's way."""
@@ -369,7 +407,9 @@ def evaluate(queries: list[Query], methods: dict[str, tuple[Index, Any]], budget
                 kept = spans_of(spans, budget)
                 recall, precision, iou = score(kept, query)
                 chars = sum(e - s for _, s, e in kept)
-                results[(name, budget)].append((recall, precision, chars, iou))
+                results[(name, budget)].append(
+                    (recall, precision, chars, iou, text_recall(kept, query))
+                )
     calls = max(1, len(queries) * len(budgets))
     return results, {m: 1000 * t / calls for m, t in timings.items()}
 
@@ -390,6 +430,24 @@ def table(title: str, methods, results, timings, budgets) -> None:
         print(row + f"| {timings[name]:.1f} ms/call")
 
 
+def text_table(methods, results, budgets, queries: list[Query]) -> None:
+    """Recall by text (:func:`text_recall`), where some evidence stands in the corpus twice."""
+    repeated = sum(len(starts) > 1 for query in queries for starts in query.copies)
+    if not repeated:
+        return
+    spans = sum(len(query.copies) for query in queries)
+    print(
+        f"recall counting every verbatim copy of the evidence ({repeated} of {spans} gold spans "
+        "stand in the corpus more than once: returning either copy returns the same text)"
+    )
+    for name in methods:
+        cells = [np.array(results[(name, b)])[:, 4].mean() for b in budgets]
+        print(
+            f"{name:<36}"
+            + "".join(f"| budget {b:>5}: {c:6.3f} " for b, c in zip(budgets, cells, strict=True))
+        )
+
+
 def summary(results, names: dict[str, str], budgets) -> dict[str, Any]:
     out = {}
     for key, name in names.items():
@@ -397,7 +455,9 @@ def summary(results, names: dict[str, str], budgets) -> dict[str, Any]:
         precision = [round(float(np.array(results[(name, b)])[:, 1].mean()), 4) for b in budgets]
         chars = [round(float(np.array(results[(name, b)])[:, 2].mean()), 1) for b in budgets]
         iou = [round(float(np.array(results[(name, b)])[:, 3].mean()), 4) for b in budgets]
+        by_text = [round(float(np.array(results[(name, b)])[:, 4].mean()), 4) for b in budgets]
         out[key] = {"recall": recall, "precision": precision, "iou": iou, "chars": chars}
+        out[key]["recall_text"] = by_text
     return out
 
 
@@ -483,6 +543,7 @@ def main() -> None:
     qa_path = args.qa or (SHIPPED_QA if args.docs is None else None)
     questions = load_questions(qa_path, texts) if qa_path else []
     headings = [] if args.no_headings else heading_queries(texts, args.min_section)
+    find_copies(questions + headings, texts)
     if not questions and not headings:
         sys.exit("no questions (--qa) and no section headings to use as queries")
 
@@ -649,6 +710,7 @@ def main() -> None:
         }
         results, timings = evaluate(queries, methods, args.budgets)
         table(f"{kind} ({len(queries)}; {note})", methods, results, timings, args.budgets)
+        text_table(methods, results, args.budgets, queries)
         names = {
             "top-k": "top-k",
             "rse": rse_name,

@@ -60,3 +60,23 @@ def test_the_benchmark_checks_a_question_file(tmp_path: Path) -> None:
     assert (query.doc, query.start, query.end) == ("a.md", 0, 7)
     # Heading queries also come from Markdown # headings.
     assert [q.text for q in bench.heading_queries(texts, 10)] == ["Title"]
+
+
+def test_recall_by_text_counts_a_verbatim_copy_of_the_evidence() -> None:
+    # A corpus that holds a passage twice: the gold is given at the second copy, a method that
+    # returns the first scores 0 by offsets and the whole evidence by text.
+    bench = _bench()
+    passage = "The board approved a repurchase of 11.2 million shares."
+    texts = {"a.md": f"Intro. {passage} Middle. {passage} End.", "b.md": f"Else: {passage}"}
+    second = texts["a.md"].rindex(passage)
+    query = bench.Query("How many shares?", "a.md", second, second + len(passage))
+    assert bench.find_copies([query], texts) == 1
+    assert query.copies == [[("a.md", 7), ("a.md", second), ("b.md", 6)]]
+    first = [("a.md", 7, 7 + len(passage))]
+    assert bench.score(first, query)[0] == 0.0
+    assert bench.text_recall(first, query) == 1.0
+    half = [("b.md", 6, 6 + len(passage) // 2)]
+    assert bench.text_recall(half, query) == (len(passage) // 2) / len(passage)
+    alone = bench.Query("q", "a.md", 0, 6)  # "Intro." stands once: both figures agree
+    assert bench.find_copies([alone], texts) == 0
+    assert bench.text_recall([("a.md", 0, 3)], alone) == bench.score([("a.md", 0, 3)], alone)[0]

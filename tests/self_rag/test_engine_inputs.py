@@ -482,8 +482,7 @@ def test_a_critic_whose_astream_generate_is_no_async_generator_is_named(kind):
     )
     got = "generator" if kind == "plain_generator" else "coroutine"
     expected = re.escape(
-        "Streaming.astream_generate must be an async generator (async def with yield), "
-        f"got {got}"
+        f"Streaming.astream_generate must be an async generator (async def with yield), got {got}"
     )
     with pytest.raises(TypeError, match=expected):
         "".join(engine.query("What does the while statement do?").response_gen)

@@ -263,8 +263,14 @@ def test_a_timeout_that_is_no_number_is_named(timeout: Any) -> None:
 
 @pytest.mark.parametrize(
     ("option", "value"),
-    [("n_ctx", 0), ("n_ctx", 2.5), ("max_new_tokens", 2.5), ("top_logprobs", True)]
-    + [("max_logprobs", 0), ("num_workers", 0)],
+    [
+        ("n_ctx", 0),
+        ("n_ctx", 2.5),
+        ("max_new_tokens", 2.5),
+        ("top_logprobs", True),
+        ("max_logprobs", 0),
+        ("num_workers", 0),
+    ],
 )
 def test_a_size_that_is_no_whole_number_above_zero_is_refused(option: str, value: Any) -> None:
     # These used to be accepted: n_ctx=0 as the size of the server's context, 2.5 new tokens,

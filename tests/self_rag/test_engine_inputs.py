@@ -495,3 +495,35 @@ def test_a_critic_whose_astream_generate_is_no_async_generator_is_named(kind):
 
     with pytest.raises(TypeError, match=expected):
         asyncio.run(read())
+
+
+@pytest.mark.parametrize(
+    ("generate_kwargs", "message"),
+    [
+        ({"max_tokens": None}, "max_new_tokens"),
+        ({"max_tokens": 2.5}, "max_new_tokens"),
+        ({"max_tokens": "many"}, "max_new_tokens"),
+        ({"max_tokens": 0}, "max_new_tokens must be at least 1"),
+    ],
+)
+def test_generate_kwargs_that_are_no_answer_length_are_named(generate_kwargs, message):
+    # max_tokens=None used to fail with "int() argument must be ... not 'NoneType'" and 2.5 was
+    # cut to 2 without a word; now each is checked as max_new_tokens is.
+    with pytest.raises(ValueError, match=message):
+        SelfRAGQueryEngine(
+            retriever=FixedRetriever(), critic=Recording(), generate_kwargs=generate_kwargs
+        )
+
+
+@pytest.mark.parametrize("temperature", [None, 0, 0.0, 0.7, "hot"])
+def test_a_temperature_in_generate_kwargs_is_ignored_with_a_warning(temperature, caplog):
+    # temperature=None and "hot" used to fail inside float(); greedy decoding ignores any.
+    with caplog.at_level("WARNING"):
+        engine = SelfRAGQueryEngine(
+            retriever=FixedRetriever(),
+            critic=Recording(),
+            generate_kwargs={"temperature": temperature, "max_tokens": 9},
+        )
+    assert engine.max_new_tokens == 9
+    warned = any("ignoring temperature" in r.getMessage() for r in caplog.records)
+    assert warned == (temperature not in (None, 0))

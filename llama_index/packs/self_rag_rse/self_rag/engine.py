@@ -213,8 +213,8 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             )
         generate_kwargs = dict(generate_kwargs or {})
         if "max_tokens" in generate_kwargs and "max_new_tokens" not in options:
-            options["max_new_tokens"] = int(generate_kwargs.pop("max_tokens"))
-        if float(generate_kwargs.get("temperature", 0.0)) != 0.0:
+            options["max_new_tokens"] = generate_kwargs.pop("max_tokens")  # checked as a field
+        if generate_kwargs.get("temperature") not in (None, 0):
             logger.warning(
                 "Self-RAG scores greedy decodes; ignoring temperature=%s",
                 generate_kwargs["temperature"],

@@ -527,3 +527,31 @@ def test_a_temperature_in_generate_kwargs_is_ignored_with_a_warning(temperature,
     assert engine.max_new_tokens == 9
     warned = any("ignoring temperature" in r.getMessage() for r in caplog.records)
     assert warned == (temperature not in (None, 0))
+
+
+@pytest.mark.parametrize("long_form", [False, True])
+def test_a_paragraph_with_a_lone_surrogate_is_read_with_a_replacement_character(
+    make_engine, long_form_llm, long_form
+):
+    # Text read with errors="surrogateescape" holds lone surrogates, which no model's tokenizer
+    # can encode: the query used to fail with UnicodeEncodeError ('utf-8' codec can't encode
+    # character '\ud800': surrogates not allowed) from inside the critic.
+    nodes = [*make_nodes(), NodeWithScore(node=TextNode(text="caf\udce9 while \ud800"), score=0.5)]
+    seen: list[str] = []
+    options: dict[str, Any] = {"retriever": FixedRetriever(nodes)}
+    if long_form:
+        options |= {"llm": long_form_llm, "long_form": True, "max_segments": 1}
+    engine = make_engine(**options)
+    critic = engine.critic
+    judge = critic.ajudge
+
+    async def recording(query, paragraphs):
+        seen.extend(paragraphs)
+        return await judge(query, paragraphs)
+
+    critic.ajudge = recording  # type: ignore[method-assign]
+    response = engine.query("What does the while statement do?")
+    assert str(response).strip()
+    assert response.source_nodes  # the nodes themselves are returned as they came
+    if not long_form:
+        assert "caf\ufffd while \ufffd" in seen

@@ -34,13 +34,15 @@ def node_text(item: NodeWithScore) -> str:
 
 def paragraph_text(item: NodeWithScore, title_key: str | Sequence[str] | None) -> str:
     """The paragraph the critic reads: an optional title line (the first non-empty value of the
-    ``title_key`` metadata keys), then the node's text."""
+    ``title_key`` metadata keys), then the node's text. A lone surrogate (bytes read with
+    ``errors="surrogateescape"``) cannot be encoded for any model: it reads as U+FFFD."""
     text = node_text(item)
     for key in [title_key] if isinstance(title_key, str) else (title_key or []):
         title = item.node.metadata.get(key)
         if title is not None and str(title).strip():
-            return f"{str(title).strip()}\n{text}"
-    return text
+            text = f"{str(title).strip()}\n{text}"
+            break
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 def checked_nodes(nodes: Any, source: Any) -> list[NodeWithScore]:

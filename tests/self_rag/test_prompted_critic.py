@@ -237,6 +237,15 @@ def test_async_calls_are_bounded_by_num_workers() -> None:
     critic.close()
 
 
+@pytest.mark.parametrize("num_workers", [0, 2.5, True, "3"])
+def test_num_workers_that_is_no_whole_number_above_zero_is_refused(num_workers: Any) -> None:
+    # 2.5 and True used to be accepted (a semaphore of 2.5 lets three calls run), "3" failed
+    # with "'<' not supported between instances of 'str' and 'int'".
+    message = f"LLMBackend: num_workers must be an integer >= 1, got {num_workers!r}"
+    with pytest.raises(ValueError, match=message):
+        PromptedCritic.from_llm(_scripted({}), num_workers=num_workers)
+
+
 def test_sync_judge_runs_calls_in_parallel() -> None:
     llm = _scripted({}, delay=0.05)  # calls overlap only where they run side by side
     with PromptedCritic.from_llm(llm, num_workers=12) as critic:

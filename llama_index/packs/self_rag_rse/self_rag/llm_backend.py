@@ -23,6 +23,7 @@ from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.llms import LLM
 from llama_index.core.prompts import BasePromptTemplate
 
+from llama_index.packs.self_rag_rse.common.options import require_counts
 from llama_index.packs.self_rag_rse.self_rag.backend import CriticBackend, Generated, Scored, Values
 from llama_index.packs.self_rag_rse.self_rag.labels import (
     InvalidLogprob,
@@ -75,8 +76,7 @@ class LLMBackend(CriticBackend):
     def __init__(
         self, llm: LLM, llm_kwargs: Mapping[str, Any] | None = None, num_workers: int = 4
     ) -> None:
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        require_counts("LLMBackend", num_workers=num_workers)
         self.llm = llm
         self.llm_kwargs = dict(llm_kwargs or {})
         self.num_workers = num_workers

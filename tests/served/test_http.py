@@ -80,6 +80,18 @@ def test_an_engine_on_a_server_that_is_down_fails_at_construction() -> None:
         SelfRAGQueryEngine(llm=llm, retriever=FixedRetriever(), critic="reflection")
 
 
+@pytest.mark.parametrize("url", [None, 42, b"http://127.0.0.1:8080"])
+def test_a_url_that_is_no_text_is_refused_at_construction(url: Any) -> None:
+    # These used to fail with AttributeError: 'NoneType' object has no attribute 'rstrip' (or
+    # "a bytes-like object is required, not 'str'").
+    message = re.escape(
+        "base_url must be an http(s) URL with a host and a port in 1-65535, such as "
+        f"http://127.0.0.1:8080, got {url!r}"
+    )
+    with pytest.raises(ValueError, match=message):
+        ServedReflectionCritic(url)
+
+
 @pytest.mark.parametrize(
     "url",
     ["http://127.0.0.1:99999", "http://127.0.0.1:0", "http://127.0.0.1:port/v1"],

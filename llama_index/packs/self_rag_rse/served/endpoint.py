@@ -58,11 +58,10 @@ def _seconds(value: Any) -> float | None:
 
 def split_url(url: str) -> tuple[str, str]:
     """``(root, openai_base)`` of a server URL given either way (``http://h:p`` or ``.../v1``)."""
-    url = url.rstrip("/")
     try:  # a port out of range or not a number would fail deep in the first connection
-        parsed = urlparse(url)
+        parsed = urlparse(url := url.rstrip("/"))
         valid = parsed.scheme in ("http", "https") and parsed.hostname and parsed.port != 0
-    except ValueError:
+    except (AttributeError, TypeError, ValueError):  # no text at all: None, 42, bytes
         valid = False
     if not valid:
         raise ValueError(

@@ -4,6 +4,8 @@ four questions gives the judgements of separate decodes, to 1e-5."""
 from __future__ import annotations
 
 import asyncio
+import re
+import warnings
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
@@ -162,3 +164,25 @@ def test_an_answer_length_below_one_is_refused(digits_llm: Any, max_new_tokens: 
     message = f"LlamaCppBackend: max_new_tokens must be an integer >= 1, got {max_new_tokens}"
     with pytest.raises(ValueError, match=message):
         LlamaCppBackend(digits_llm, max_new_tokens=max_new_tokens)
+
+
+def test_a_paragraph_longer_than_the_context_is_cut_from_its_end_with_a_warning(
+    digits_llm: Any,
+) -> None:
+    # The prompted critic over llama.cpp: a paragraph that does not fit n_ctx with the prompt and
+    # the answer is shortened from its end (the instruction never is), and says so.
+    with closing(LlamaCppBackend(digits_llm, n_ctx=256, max_new_tokens=8)) as backend:
+        long = "Paris is the capital and largest city of France. " * 80
+        cut = r"paragraph truncated from \d+ to about \d+ tokens to fit n_ctx=256"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            results = asyncio.run(backend.judge_paragraphs(QUERY, [long, PARAGRAPHS[1]], PROMPTS))
+        assert any(re.search(cut, str(w.message)) for w in caught)
+        for result in results:
+            assert isinstance(result.answer, Generated)
+            assert not any(isinstance(s, Exception) for s in result.scores.values())
+        # A query that leaves no room even without the paragraph is the query's problem: named.
+        with pytest.raises(
+            ValueError, match="n_ctx=256 even without the paragraph: shorten the query"
+        ):
+            asyncio.run(backend.judge_paragraphs("why " * 300, [long], PROMPTS))

@@ -375,9 +375,9 @@ def test_concurrent_and_async_calls(talkative_critic: ReflectionCritic) -> None:
 def test_a_size_that_is_no_whole_number_above_zero_is_named(
     tiny_llm: Any, option: str, value: Any, owner: str
 ) -> None:
-    # These used to be accepted: n_threads 0 or True meant "the default", n_ctx 0 a context of
-    # no cells (every prompt then "too long"), n_seq_max 2.5 a batch of 2.5 sequences, and "4"
-    # failed with "'>' not supported between instances of 'str' and 'int'".
+    # These used to be accepted: n_threads 0 meant "the default", True one thread, -1 went to
+    # llama.cpp as it was, n_ctx 0 a context of no cells, n_seq_max 2.5 a batch of 2.5
+    # sequences; "4" failed with "'>' not supported between instances of 'str' and 'int'".
     message = re.escape(f"{owner}: {option} must be an integer >= 1, got {value!r}")
     with pytest.raises(ValueError, match=message):
         ReflectionCritic(tiny_llm, **{option: value})

@@ -281,3 +281,31 @@ def test_scores_near_the_float_limit_and_bad_calibrations(doc_nodes):
     odd.score = "high"  # assigned after construction: pydantic does not check it
     with pytest.raises(ValueError, match="'high' is not a number"):
         RelevantSegmentPostprocessor().postprocess_nodes([odd])
+
+
+def test_a_store_or_index_of_the_wrong_kind_is_named_at_construction(doc_nodes):
+    # These used to be accepted: at query time a warning said the chunks between hits could not
+    # be read (vector_store="x", docstore=StorageContext), or nothing at all (index=a retriever),
+    # and segments only joined the chunks at hand.
+    from llama_index.core import StorageContext, VectorStoreIndex
+    from llama_index.core.embeddings.mock_embed_model import MockEmbedding
+    from llama_index.core.storage.docstore import SimpleDocumentStore
+
+    index = VectorStoreIndex(nodes=doc_nodes("d", 2), embed_model=MockEmbedding(embed_dim=4))
+    wrong = {
+        "vector_store": "qdrant",
+        "docstore": StorageContext.from_defaults(),
+        "index": index.as_retriever(),
+    }
+    for name, part in wrong.items():
+        kind = f"{type(part).__name__}, not a LlamaIndex {name.replace('_', ' ')}"
+        with pytest.raises(
+            TypeError, match=f"{name} is a {kind}: pass index=<your VectorStoreIndex>"
+        ):
+            RelevantSegmentPostprocessor(**{name: part})
+    for right in (
+        {"index": index},
+        {"docstore": SimpleDocumentStore()},
+        {"vector_store": index.vector_store},
+    ):
+        RelevantSegmentPostprocessor(**right)

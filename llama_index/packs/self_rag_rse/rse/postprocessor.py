@@ -103,6 +103,11 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
     ) -> None:
         # Pydantic would drop a misspelt option silently and use its default.
         reject_unknown(type(self).__name__, kwargs, pydantic_fields(type(self)) | set(_PARTS))
+        for name, part in zip(_PARTS, (docstore, vector_store, index), strict=True):
+            needs = "docstore" if name == "index" else "get_nodes"  # what RSE reads chunks with
+            if part is not None and not hasattr(part, needs):
+                kind = f"{type(part).__name__}, not a LlamaIndex {name.replace('_', ' ')}"
+                raise TypeError(f"{name} is a {kind}: pass index=<your VectorStoreIndex>")
         super().__init__(**kwargs)
         if index is not None:
             # An index's docstore is empty when the vector store keeps the text (Qdrant etc.).

@@ -150,7 +150,7 @@ class BaseCritic(PromptMixin, ABC):
 
     def stream_generate(self, query: str) -> Iterator[str]:
         """Blocking :meth:`astream_generate`: pieces arrive as the model writes them."""
-        return iterate_sync(stream_of(self, query))
+        return iterate_sync(astream(self, query))
 
     def close(self) -> None:
         """Free what the critic holds; the models it was given stay open."""
@@ -175,7 +175,7 @@ class BaseCritic(PromptMixin, ABC):
         """Nothing to update unless the subclass has prompts."""
 
 
-def stream_of(critic: BaseCritic, query: str) -> AsyncIterator[str]:
+def astream(critic: BaseCritic, query: str) -> AsyncIterator[str]:
     """``critic.astream_generate(query)``, or a ``TypeError`` naming the critic where that is no
     async generator (a plain ``def`` with ``yield``, an ``async def`` that returns)."""
     stream = critic.astream_generate(query)

@@ -51,11 +51,7 @@ from llama_index.packs.self_rag_rse.common.options import (
     require_finite,
 )
 from llama_index.packs.self_rag_rse.common.streams import astripped, stripped
-from llama_index.packs.self_rag_rse.self_rag.contract import (
-    BaseCritic,
-    ParagraphJudgement,
-    stream_of,
-)
+from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic, ParagraphJudgement, astream
 from llama_index.packs.self_rag_rse.self_rag.factory import build_critic
 from llama_index.packs.self_rag_rse.self_rag.flow import FlowParts, Outcome, check_query, query_meta
 from llama_index.packs.self_rag_rse.self_rag.long_form import long_form, long_form_unsupported
@@ -406,16 +402,16 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         final = functools.partial(self._final, meta=outcome.meta)
         meta = {"self_rag": outcome.meta}
         if self.streaming:
-            stream = self._astream(outcome.stream(), query_str)
+            stream = self._answer_pieces(outcome.stream(), query_str)
             return AsyncStreamingResponse(astripped(stream, final), outcome.sources, meta)
         if outcome.answer is None:
             outcome.answer = await self._critic.agenerate(query_str)
         return Response(final(outcome.answer), outcome.sources, meta)
 
-    async def _astream(self, pieces: list[str] | None, query: str) -> AsyncIterator[str]:
+    async def _answer_pieces(self, pieces: list[str] | None, query: str) -> AsyncIterator[str]:
         """The answer's ``pieces``, or (``None``) the model's own answer as it writes it."""
         if pieces is None:
-            async for piece in stream_of(self._critic, query):
+            async for piece in astream(self._critic, query):
                 yield piece
         for piece in pieces or []:
             yield piece

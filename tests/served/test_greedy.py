@@ -79,6 +79,32 @@ def test_request_options_win_over_the_greedy_fields() -> None:
     assert merged["temperature"] == 0.0
 
 
+def test_request_options_cannot_change_what_the_critic_reads_back() -> None:
+    # They used to go on top of every field: {"n_predict": 2} cut every answer at two tokens,
+    # {"n_probs": 3} or {"logprobs": 1} left the reflection tokens out of the log-probs, and
+    # {"post_sampling_probs": True} had llama-server report the sampler's probabilities instead
+    # of the raw logits' softmax the scores are defined on, all without a word.
+    from llama_index.packs.self_rag_rse.served.apis import ServerInfo
+    from llama_index.packs.self_rag_rse.served.http import JSONClient
+    from llama_index.packs.self_rag_rse.served.llamacpp_api import LlamaCppAPI
+    from llama_index.packs.self_rag_rse.served.openai_api import OpenAIAPI
+
+    options = {"n_predict": 2, "max_tokens": 2, "n_probs": 3, "logprobs": 1, "prompt": "x"}
+    options |= {"post_sampling_probs": True, "return_tokens": False, "stream": True}
+    options |= {"cache_prompt": False, "repeat_penalty": 1.1}  # these two are the user's
+    client = JSONClient("http://127.0.0.1:1")
+    native = LlamaCppAPI(client, options)._body([1, 2], 40, 20)
+    assert native["prompt"] == [1, 2] and native["n_predict"] == 40 and native["n_probs"] == 20
+    assert native["post_sampling_probs"] is False and native["return_tokens"] is True
+    assert native["stream"] is False
+    assert native["cache_prompt"] is False and native["repeat_penalty"] == 1.1
+    info = ServerInfo("openai", {}, True, sampling=greedy_options(OPENAI, options))
+    body = OpenAIAPI(client, None, options)._body(info, "q", 40, 5)
+    assert body["prompt"] == "q" and body["max_tokens"] == 40 and body["logprobs"] == 5
+    assert body["repeat_penalty"] == 1.1
+    client.close()
+
+
 def completion(*positions: tuple[str, float, dict[str, float] | None]) -> Completion:
     return Completion([Position(k, lp, top) for k, lp, top in positions], "", True)
 

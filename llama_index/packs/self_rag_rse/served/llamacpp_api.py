@@ -159,7 +159,9 @@ class LlamaCppAPI:
         return [prefix + feed for feed in feeds]
 
     def _body(self, prompt: list[int], n_predict: int, top_n: int) -> dict[str, Any]:
-        return {
+        return {  # request_options may turn cache_prompt off, not change what is read back
+            "cache_prompt": True,
+            **self.sampling,
             "prompt": prompt,
             "n_predict": n_predict,
             "n_probs": top_n,
@@ -167,9 +169,7 @@ class LlamaCppAPI:
             # sampler left: exact, and unchanged by top_k or logit_bias.
             "post_sampling_probs": False,
             "return_tokens": True,
-            "cache_prompt": True,
             "stream": False,
-            **self.sampling,
         }
 
     async def complete(

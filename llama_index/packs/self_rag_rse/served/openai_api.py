@@ -122,7 +122,7 @@ class OpenAIAPI:
         self, info: ServerInfo, prompt: Any, max_tokens: int, top_n: int, **extra: Any
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
-            **info.sampling,  # request_options included: they cannot change what is read back
+            **info.sampling,  # request_options too: the prompt, length and log-probs are ours
             "prompt": prompt,
             "max_tokens": max_tokens,
             "logprobs": top_n,

@@ -19,9 +19,11 @@ class FixedRetriever(BaseRetriever):
         super().__init__()
         self.nodes = nodes if nodes is not None else make_nodes()
         self.queries: list[str] = []
+        self.bundles: list[QueryBundle] = []
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         self.queries.append(query_bundle.query_str)
+        self.bundles.append(query_bundle)
         return [NodeWithScore(node=n.node, score=n.score) for n in self.nodes]
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import signal
 import threading
 
 import pytest
@@ -45,6 +47,42 @@ def test_run_sync_propagates_exceptions():
 
     with pytest.raises(KeyError):
         run_sync(boom())
+
+
+def test_run_sync_runs_in_the_callers_context():
+    span = contextvars.ContextVar("span", default="none")
+    span.set("caller's span")
+
+    async def read() -> str:
+        return span.get()
+
+    assert run_sync(read()) == "caller's span"
+
+
+def test_a_caller_that_gives_up_cancels_the_work():
+    started, cancelled = threading.Event(), threading.Event()
+
+    async def forever() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            run_sync(forever())
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert started.is_set()
+    assert cancelled.wait(5)
 
 
 def test_serial_worker_runs_calls_in_one_thread_in_order():

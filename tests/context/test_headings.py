@@ -118,3 +118,12 @@ def test_windows_line_endings_and_text_without_headings() -> None:
     sections, title = heading_sections("Just prose.\n\nMore prose.\n")
     assert title is None
     assert [(s.title, s.path, s.start_char, s.end_char) for s in sections] == [("", (), 0, 25)]
+
+
+@pytest.mark.parametrize("text", ["\ufeff# Title\n\nBody.\n", "\ufeffTitle\n=====\n\nBody.\n"])
+def test_a_byte_order_mark_does_not_hide_the_title_heading(text: str) -> None:
+    # A file read as UTF-8 (not utf-8-sig) starts with U+FEFF: the title heading was not found,
+    # and the header fell back to the file name.
+    sections, title = heading_sections(text)
+    assert title == "Title"
+    assert sections[-1].end_char == len(text) and sections[0].start_char == 0

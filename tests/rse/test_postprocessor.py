@@ -301,7 +301,9 @@ def test_none_and_negative_scores(doc_nodes, docstore_with):
     assert result[0].node.metadata["segment_chunk_range"] == [1, 4]
     # Negative similarities mean irrelevant: nothing clears the minimum value.
     negative = [NodeWithScore(node=n, score=-0.3) for n in nodes[1:4]]
-    assert rse.postprocess_nodes(negative) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # irrelevant, not scores of another scale
+        assert rse.postprocess_nodes(negative) == []
     # Mixed: a warning says how missing scores were treated.
     mixed = [NodeWithScore(node=nodes[1], score=0.9), NodeWithScore(node=nodes[2], score=None)]
     with pytest.warns(UserWarning, match="no score"):
@@ -778,3 +780,17 @@ def test_bare_nodes_are_refused_before_cores_event_naming_the_fix(doc_nodes):
         rse.extract(nodes)
     with pytest.raises(TypeError, match=r"got a NoneType.*NodeWithScore"):  # falsy items too
         rse.postprocess_nodes([NodeWithScore(node=nodes[0], score=0.9), None])
+
+
+def test_scores_below_the_cosine_range_say_which_calibration_fits(split):
+    # Reciprocal-rank fusion (QueryFusionRetriever, the hybrid-search recipe) scores about
+    # 1/(60 + rank): every hit was worth 0, the query engine said "Empty Response", and only an
+    # INFO line told why.
+    nodes = ChunkIndexer()(split(64, 0))
+    hits = [NodeWithScore(node=nodes[i], score=1 / (61 + r)) for r, i in enumerate((3, 4, 9))]
+    with pytest.warns(UserWarning, match="calibration='spread'"):
+        assert RelevantSegmentPostprocessor().postprocess_nodes(hits) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kept = RelevantSegmentPostprocessor(calibration="spread").postprocess_nodes(hits)
+    assert kept and nodes[3].text in kept[0].node.get_content()

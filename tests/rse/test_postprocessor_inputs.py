@@ -112,6 +112,28 @@ def test_unversioned_copies_read_back_for_one_index_are_a_hole():
     assert [m.node_id for m in best.members] == [v2[i].node_id for i in (5, 6, 7)]
 
 
+def test_chunks_of_two_chunkings_of_one_version_are_never_joined():
+    # The same document re-ingested with a larger chunk size keeps its version and overwrites
+    # its first chunks (stable ids), not the rest: chunk 11 of the new chunking was joined to
+    # chunks 12 and 13 of the old one, text from the middle of the document after its end.
+    text = BASE[:3000]
+    old, new = (
+        ChunkIndexer(stable_ids=True)(
+            SentenceSplitter(chunk_size=size, chunk_overlap=0).get_nodes_from_documents(
+                [Document(text=text, id_="doc")]
+            )
+        )
+        for size in (48, 160)
+    )
+    assert len(old) > len(new) + 2
+    store = qdrant_with(old + new, "two-chunkings")  # the new chunks overwrite the first ids
+    hits = scored((new[-1], 0.9), (old[len(new) + 1], 0.8))
+    extraction = RelevantSegmentPostprocessor(vector_store=store, calibration="raw").extract(hits)
+    assert any("starts at character" in hole.reason for hole in extraction.holes)
+    for segment in RelevantSegmentPostprocessor(vector_store=store).postprocess_nodes(hits):
+        assert segment.node.get_content() in text
+
+
 # -- item 3: stable ids and a shorter new version --------------------------------------------------
 
 
@@ -309,3 +331,21 @@ def test_a_store_or_index_of_the_wrong_kind_is_named_at_construction(doc_nodes):
         {"vector_store": index.vector_store},
     ):
         RelevantSegmentPostprocessor(**right)
+
+
+def test_a_docstore_that_holds_the_documents_not_their_chunks_says_so(caplog):
+    # An IngestionPipeline's docstore (its duplicate check) holds the Documents: passed as RSE's
+    # docstore it read none of the chunks between the hits, and RSE returned the hits alone
+    # without a word.
+    from llama_index.core.storage.docstore import SimpleDocumentStore
+
+    document = Document(text=BASE[:3000], id_="doc")
+    nodes = ChunkIndexer(stable_ids=True)(
+        SentenceSplitter(chunk_size=64, chunk_overlap=0).get_nodes_from_documents([document])
+    )
+    docstore = SimpleDocumentStore()
+    docstore.add_documents([document])
+    rse = RelevantSegmentPostprocessor(docstore=docstore, calibration="raw")
+    with caplog.at_level(logging.WARNING):
+        rse.postprocess_nodes(scored((nodes[1], 0.9), (nodes[4], 0.8)))
+    assert "holds its documents, not their chunks: pass vector_store= or index=" in caplog.text

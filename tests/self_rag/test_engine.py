@@ -218,3 +218,17 @@ def test_verbose_prints_a_table(make_engine, capsys):
     make_engine(verbose=True).query("q")
     out = capsys.readouterr().out
     assert "rel" in out and "sup" in out and "p-while" in out
+
+
+def test_verbose_on_a_console_that_cannot_encode_the_text(make_engine, monkeypatch):
+    # On a cp1252 or ASCII console the table raised UnicodeEncodeError after all the work, and
+    # the answer was lost.
+    import io
+    import sys
+
+    console = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", console)
+    response = make_engine(verbose=True).query("Qu'est-ce qu'un café « while » ?")
+    console.flush()
+    assert response.response
+    assert "caf\\xe9" in console.buffer.getvalue().decode("ascii")

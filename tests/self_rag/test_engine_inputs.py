@@ -62,7 +62,10 @@ def test_non_finite_weights_are_rejected(make_engine, name, value):
     ("option", "value", "message"),
     [
         ("ndocs", 0, "ndocs must be at least 1 or None, got 0"),
-        ("threshold", 2.0, r"threshold is a probability in \[0, 1\] \(or None\), got 2.0"),
+        ("threshold", 2.0, r"threshold must be in \[0, 1\], the scale it is read on, got 2.0"),
+        ("rewrite_threshold", 5.0, r"rewrite_threshold must be in \[0, 1\].*got 5.0"),
+        ("support_threshold", -0.5, r"support_threshold must be in \[0, 1\].*got -0.5"),
+        ("utility_threshold", 4.0, r"utility_threshold must be in \[-1, 1\].*got 4.0"),
         ("w_sup", math.nan, "w_sup must be a finite number"),
         ("max_new_tokens", 0, "max_new_tokens must be at least 1"),
         ("max_new_tokens", 7, r"read once, when the critic is built.*max_new_tokens=7"),
@@ -135,6 +138,34 @@ def test_empty_paragraphs_are_skipped_and_traced(make_engine):
     assert skipped == [
         {"step": "skip_empty", "node_ids": ["blank"], "reason": "paragraph has no text"}
     ]
+
+
+async def test_a_query_bundle_reaches_the_retriever_whole(make_engine):
+    # HyDE through core's TransformQueryEngine: the engine rebuilt the bundle from its text, so
+    # the hypothetical document (custom_embedding_strs) never reached the retriever.
+    from llama_index.core.indices.query.query_transform import HyDEQueryTransform
+    from llama_index.core.llms import MockLLM
+    from llama_index.core.query_engine import TransformQueryEngine
+
+    retriever = FixedRetriever()
+    hyde = HyDEQueryTransform(llm=MockLLM(max_tokens=8))
+    engine = TransformQueryEngine(make_engine(retriever=retriever), query_transform=hyde)
+    engine.query("What does the while statement do?")
+    await engine.aquery("What does the while statement do?")
+    for bundle in retriever.bundles:
+        assert bundle.query_str == "What does the while statement do?"
+        assert len(bundle.custom_embedding_strs or []) == 2  # the hypothesis and the question
+    assert len(retriever.bundles) == 2
+
+
+def test_empty_paragraphs_do_not_take_the_places_ndocs_gives(make_engine):
+    # An image node (or an empty chunk) ranked first took one of the ndocs places: with ndocs=1
+    # nothing was judged and the model answered alone, "every retrieved paragraph was empty".
+    blank = NodeWithScore(node=TextNode(id_="blank", text=""), score=0.95)
+    texts = make_nodes()
+    engine = make_engine(retriever=FixedRetriever([blank, *texts]), ndocs=1)
+    meta = engine.query("What does the while statement do?").metadata["self_rag"]
+    assert [p["node_id"] for p in meta["paragraphs"]] == [texts[0].node.node_id]
 
 
 def test_only_empty_paragraphs_fall_back_with_the_reason(make_engine):
@@ -327,6 +358,24 @@ def test_a_retriever_returning_no_list_of_nodes_names_itself(kind: Any, value: A
     with pytest.raises(TypeError, match=pattern):
         engine.query("q")
     with pytest.raises(TypeError, match=pattern):
+        asyncio.run(engine.aquery("q"))
+
+
+def test_a_retrievers_own_failure_goes_on_as_it_is():
+    # An AttributeError inside the retriever (an unconnected client) came out as a TypeError
+    # saying the retriever must not return None, which it never did.
+    from llama_index.core.base.base_retriever import BaseRetriever
+
+    class Unconnected(BaseRetriever):
+        client = None
+
+        def _retrieve(self, query_bundle):
+            return self.client.query_points(query_bundle.query_str)
+
+    engine = SelfRAGQueryEngine(retriever=Unconnected(), critic=Recording())
+    with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'query_points'"):
+        engine.query("q")
+    with pytest.raises(AttributeError, match="query_points"):
         asyncio.run(engine.aquery("q"))
 
 

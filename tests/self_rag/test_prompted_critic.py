@@ -237,6 +237,19 @@ def test_async_calls_are_bounded_by_num_workers() -> None:
     critic.close()
 
 
+def test_a_new_event_loop_per_query_does_not_keep_the_old_loops() -> None:
+    # Each asyncio.run(critic.ajudge(...)) left its loop in the backend's per-loop limits for
+    # good: a semaphore that waited holds its loop, so the weak key never let go.
+    import gc
+
+    critic = PromptedCritic.from_llm(_scripted({}, delay=0.01), num_workers=1)
+    for _ in range(10):
+        asyncio.run(critic.ajudge("Question?", ["P0", "P1"]))
+    gc.collect()
+    assert len(critic.backend._limits) <= 1
+    critic.close()
+
+
 @pytest.mark.parametrize("num_workers", [0, 2.5, True, "3"])
 def test_num_workers_that_is_no_whole_number_above_zero_is_refused(num_workers: Any) -> None:
     # 2.5 and True used to be accepted (a semaphore of 2.5 lets three calls run), "3" failed

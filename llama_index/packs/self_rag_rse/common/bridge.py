@@ -67,30 +67,13 @@ class _LoopThread:
                 "a synchronous method was called from inside its own async work: await the "
                 "async variant (adecide_retrieval, ajudge, agenerate, aquery) instead"
             )
-        context = contextvars.copy_context()  # keep the caller's instrumentation span
-        done: concurrent.futures.Future[T] = concurrent.futures.Future()
-        tasks: list[asyncio.Task[T]] = []
-
-        def start() -> None:
-            task = context.run(loop.create_task, coro)
-            tasks.append(task)
-
-            def finish(t: asyncio.Task[T]) -> None:
-                if t.cancelled():
-                    done.cancel()
-                elif (exc := t.exception()) is not None:
-                    done.set_exception(exc)
-                else:
-                    done.set_result(t.result())
-
-            task.add_done_callback(finish)
-
-        loop.call_soon_threadsafe(start)
+        # The task runs in a copy of the caller's context (its instrumentation span).
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
         try:
-            return done.result()
+            return future.result()
         except BaseException:
             # The caller gave up (Ctrl-C): stop the work instead of leaving it to run on.
-            loop.call_soon_threadsafe(lambda: [task.cancel() for task in tasks])
+            future.cancel()
             raise
 
     def _ensure(self) -> asyncio.AbstractEventLoop:

@@ -47,14 +47,9 @@ def compose_segment_header(
 ) -> str:
     """The header of an RSE segment: the document line, then the section, or the sections in
     order when the segment spans several (at most :data:`MAX_SEGMENT_SECTIONS`)."""
-    labels: list[str] = []
-    for path in sections:
-        label = section_label(path)
-        if label and label != (title or "") and label not in labels:
-            labels.append(label)
-    lines = []
-    if title or summary:
-        lines.append(_line("Document", title, summary))
+    named = dict.fromkeys(section_label(path) for path in sections)  # in order, once each
+    labels = [label for label in named if label and label != (title or "")]
+    lines = [document] if (document := compose_header(title, summary)) else []
     if len(labels) == 1:
         lines.append(f"Section: {labels[0]}")
     elif labels:

@@ -195,15 +195,11 @@ class ContextualHeaders(ContextComponent):
         """The title from the sources before 'llm'; ``None`` when the LLM must be asked."""
         metadata = members[0].metadata
         for source in self._sources():
-            if source == "metadata":
-                for key in self.title_keys:
+            if source in ("metadata", "heading"):
+                for key in self.title_keys if source == "metadata" else [DOCUMENT_HEADING_KEY]:
                     value = metadata.get(key)
                     if isinstance(value, str) and value.strip():
                         return value.strip()
-            elif source == "heading":
-                heading = metadata.get(DOCUMENT_HEADING_KEY)
-                if isinstance(heading, str) and heading.strip():
-                    return heading.strip()
             elif source == "llm":
                 return None
             elif source == "file_name":
@@ -299,17 +295,13 @@ def _joined_text(members: list[BaseNode]) -> str:
     if not all(start is not None for start, _ in spans):
         return "\n".join(n.get_content(metadata_mode=MetadataMode.NONE) for n in members)
     parts: list[str] = []
-    cursor = None
+    cursor: int | None = None  # where the text joined so far ends in the document
     for start, node in sorted(spans, key=lambda s: s[0]):  # type: ignore[arg-type, return-value]
         text = node.get_content(metadata_mode=MetadataMode.NONE)
         assert start is not None
-        if cursor is None or start >= cursor:
-            if cursor is not None:
-                parts.append("\n" if start > cursor else "")
-            parts.append(text)
-        elif start + len(text) > cursor:
-            parts.append(text[cursor - start :])
-        cursor = max(cursor or 0, start + len(text))
+        cursor = start if cursor is None else cursor
+        parts.append(("\n" if start > cursor else "") + text[max(0, cursor - start) :])
+        cursor = max(cursor, start + len(text))
     return "".join(parts)
 
 

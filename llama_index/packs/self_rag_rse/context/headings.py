@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from llama_index.packs.self_rag_rse.context.sections import (
     LineIndex,
@@ -55,16 +56,16 @@ class Heading:
 def find_headings(text: str, *, numbered: bool = True) -> list[Heading]:
     """Every heading of ``text``, in order (see the module docstring for what counts)."""
     index = LineIndex(text)
-    lines = index.lines
+    lines = [line.removeprefix("\ufeff") for line in index.lines]  # a byte-order mark hides none
     in_code = _fenced_lines(lines)
-    found: list[tuple[int, int, str, object, str]] = []  # first, last, title, style, kind
+    found: list[tuple[int, int, str, Any, str]] = []  # first, last, title, style or level, kind
     taken: set[int] = set()
     for i, line in enumerate(lines):
         if i in in_code or i in taken:
             continue
         atx = _ATX.match(line)
         if atx and _is_title(atx.group(2)):
-            found.append((i, i, atx.group(2).strip(), ("#", len(atx.group(1))), "atx"))
+            found.append((i, i, atx.group(2).strip(), len(atx.group(1)), "atx"))
             continue
         if i + 1 < len(lines) and (i + 1) not in in_code and _is_underlined(index, i):
             under = lines[i + 1].strip()
@@ -83,12 +84,8 @@ def find_headings(text: str, *, numbered: bool = True) -> list[Heading]:
     levels: dict[object, int] = {}
     headings = []
     for first, last, title, style, kind in found:
-        if kind == "atx":
-            level = int(style[1])  # type: ignore[index]
-        elif kind == "numbered":
-            level = int(style)  # type: ignore[call-overload]
-        else:
-            level = levels.setdefault(style, len(levels) + 1)
+        # ATX and numbered headings carry their level; each underline style gets the next one.
+        level = levels.setdefault(style, len(levels) + 1) if kind == "underline" else style
         headings.append(Heading(title[:MAX_TITLE_CHARS], level, first, last, kind))
     return headings
 
@@ -200,7 +197,5 @@ def _numbered_headings(
 
 def _followed_by_text(index: LineIndex, i: int) -> bool:
     """A numbered heading introduces prose; a list item is followed by the next item."""
-    for j in range(i + 1, len(index)):
-        if not index.is_blank(j):
-            return not _NUMBERED.match(index.lines[j])
-    return False
+    following = next((line for line in index.lines[i + 1 :] if line.strip()), None)
+    return following is not None and not _NUMBERED.match(following)

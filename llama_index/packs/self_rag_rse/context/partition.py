@@ -87,11 +87,7 @@ def repair_partition(
     ordered = sorted(inside, key=lambda span: span[1])
     if [s for _, s, _ in ordered] != [s for _, s, _ in inside]:
         repairs.append("sorted sections by first line")
-    unique: list[tuple[str, int, int | None]] = []
-    for span in ordered:
-        if unique and unique[-1][1] == span[1]:
-            continue
-        unique.append(span)
+    unique = [span for k, span in enumerate(ordered) if k == 0 or ordered[k - 1][1] != span[1]]
     if len(unique) < len(ordered):
         repairs.append(f"dropped {len(ordered) - len(unique)} duplicate first line(s)")
     if unique[0][1] != first:
@@ -165,10 +161,7 @@ def _clean_title(title: object, index: LineIndex, line: int) -> str:
     text = " ".join(str(title or "").split()).strip(" \"'`*#")
     if not text:
         # An untitled section is named by its first words rather than left blank.
-        for i in range(line, len(index)):
-            if not index.is_blank(i):
-                text = " ".join(index.lines[i].split())
-                break
+        text = next((" ".join(s.split()) for s in index.lines[line:] if s.strip()), "")
     if len(text) > MAX_TITLE_CHARS:
         text = text[:MAX_TITLE_CHARS].rsplit(" ", 1)[0] + "…"
     return text

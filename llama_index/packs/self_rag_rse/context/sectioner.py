@@ -175,7 +175,8 @@ class DocumentSectioner(ContextComponent):
         self._usage = ContextUsage(documents=len(nodes))
         show_progress = bool(kwargs.get("show_progress", False))
         if self.strategy == "headings":
-            plans = [self._heading_plan(node) for node in nodes]
+            texts = [node.get_content(metadata_mode=MetadataMode.NONE) for node in nodes]
+            plans = [_Plan(*self.sections(text), "headings") for text in texts]
         else:
             jobs = [self._llm_plan(node) for node in nodes]
             plans = await run_jobs(
@@ -198,10 +199,6 @@ class DocumentSectioner(ContextComponent):
     def sections(self, text: str) -> tuple[list[Section], str | None]:
         """The sections of ``text`` by its headings, and its title heading (no LLM)."""
         return heading_sections(text, numbered=self.numbered_headings)
-
-    def _heading_plan(self, node: BaseNode) -> _Plan:
-        sections, heading = self.sections(node.get_content(metadata_mode=MetadataMode.NONE))
-        return _Plan(sections, heading, "headings")
 
     async def _llm_plan(self, node: BaseNode) -> _Plan:
         text = node.get_content(metadata_mode=MetadataMode.NONE)

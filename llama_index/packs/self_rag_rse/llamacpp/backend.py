@@ -15,6 +15,7 @@ All decoding runs on one worker thread per backend, in order (see
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -283,9 +284,5 @@ class LlamaCppBackend(CriticBackend):
 
 def group_logprobs(row: Sequence[float] | Any, groups: Sequence[Sequence[int]]) -> list[float]:
     """Per-label log-prob: log Σ p over the label's first-token ids (columns in group order)."""
-    values = [float(v) for v in row]
-    out, start = [], 0
-    for group in groups:
-        out.append(logsumexp(values[start : start + len(group)]))
-        start += len(group)
-    return out
+    values = iter([float(v) for v in row])
+    return [logsumexp(itertools.islice(values, len(group))) for group in groups]

@@ -206,7 +206,8 @@ class NativeContext:
             ctx = self._create(n_cells, streams)
             if ctx is not None:
                 break
-            self._record_failure(n_cells, streams)
+            # Only sizes below a recorded failure are tried, so this one is the new smallest.
+            self._failed = (self._total_cells(n_cells, streams), time.monotonic())
         else:
             raise ContextCreationError(self._total_cells(*wanted), sequences)
         self.ctx = ctx
@@ -264,10 +265,6 @@ class NativeContext:
             self._failed = None
             return False
         return self._total_cells(n_cells, streams) >= cells
-
-    def _record_failure(self, n_cells: int, streams: int) -> None:
-        # Only sizes below a recorded failure are tried, so this one is the new smallest.
-        self._failed = (self._total_cells(n_cells, streams), time.monotonic())
 
     def _create(self, n_cells: int, streams: int) -> Any:
         """A new llama.cpp context, or None when llama.cpp cannot create it."""

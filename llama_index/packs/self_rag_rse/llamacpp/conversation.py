@@ -212,12 +212,8 @@ class Conversation:
 
     def _sync(self) -> None:
         """Forget what the cache held if someone else emptied or used it since."""
-        native = self._native
-        if self._epoch != native.epoch:
-            if native.ctx is not None:
-                native.clear()
-            self._held.clear()
-            self._epoch = native.epoch
+        if self._epoch != self._native.epoch:
+            self._forget()
 
     def _forget(self) -> None:
         if self._native.ctx is not None:
@@ -402,8 +398,9 @@ class Conversation:
                 if room <= 0:
                     break
                 n = len(slot.feed)
-                if prefill and not native.kv_unified:
-                    n = _up_to_padding(slot.pos, n)
+                if prefill and not native.kv_unified:  # cut at a multiple of KV_PADDING
+                    head = KV_PADDING - slot.pos % KV_PADDING
+                    n = head if min(head, n - head) >= MIN_SPLIT_TOKENS else n
                 if not native.kv_unified and entries and n > room:
                     # llama.cpp cuts a split-cache batch into micro-batches with as many tokens
                     # from each stream: a run's last few tokens would make one tiny pass.
@@ -465,12 +462,6 @@ def _as_deep(live: list[Slot]) -> list[Slot]:
     deep = [s for s in live if (s.pos + len(s.feed)) * DEPTH_RATIO >= deepest]
     n_deep, n_all = sum(len(s.feed) for s in deep), sum(len(s.feed) for s in live)
     return deep if min(n_deep, n_all - n_deep) >= MIN_SPLIT_TOKENS else live
-
-
-def _up_to_padding(pos: int, n: int) -> int:
-    """How many of ``n`` prompt tokens from ``pos`` to evaluate now (see :data:`DEPTH_RATIO`)."""
-    head = KV_PADDING - pos % KV_PADDING
-    return head if min(head, n - head) >= MIN_SPLIT_TOKENS else n
 
 
 def _distinct_cells(sequences: list[list[int]]) -> int:

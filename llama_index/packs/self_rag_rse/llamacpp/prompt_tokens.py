@@ -63,13 +63,8 @@ class PromptTokenizer:
             return cached[1]
         marked = {name: f"{_MARK_OPEN}{name}{_MARK_CLOSE}" for name in VARIABLES}
         full = self._format(template, marked)
-        pieces: list[tuple[str, str]] = []
-        last = 0
-        for match in _MARKER.finditer(full):
-            pieces.append(("", full[last : match.start()]))
-            pieces.append((match.group(1), ""))
-            last = match.end()
-        pieces.append(("", full[last:]))
+        # split() keeps the marker's group: text, variable, text, ..., text.
+        pieces = [(p, "") if i % 2 else ("", p) for i, p in enumerate(_MARKER.split(full))]
         self._skeletons[id(template)] = (template, pieces)
         return pieces
 
@@ -84,15 +79,11 @@ class PromptTokenizer:
             for t in ids
             if compat.is_control_token(self.llama, t)
         }
-        runs: list[str | int] = []
-        last = 0
+        runs: list[str | int] = [text]
         if controls:
             pattern = "|".join(re.escape(c) for c in sorted(controls, key=len, reverse=True))
-            for match in re.finditer(pattern, text):
-                runs.append(text[last : match.start()])
-                runs.append(controls[match.group(0)])
-                last = match.end()
-        runs.append(text[last:])
+            parts = re.split(f"({pattern})", text)  # text, control, text, ..., text
+            runs = [controls[p] if i % 2 else p for i, p in enumerate(parts)]
         self._control_runs[text] = runs
         return runs
 

@@ -133,13 +133,11 @@ class ReflectionCritic(BaseCritic):
         with self.decoder.conversation() as conversation:
             if threshold is None:
                 request = Request(prompt, self.max_new_tokens, track, stop_ids=[retrieval_id])
-                out = _decoded(conversation, request)
-                probability = retrieval_probability(out.tracked_logprobs)
-                retrieve = retrieval_id in out.tokens
             else:
-                out = _decoded(conversation, Request(prompt, 1, track, keep=True))
-                probability = retrieval_probability(out.tracked_logprobs)
-                retrieve = probability > threshold
+                request = Request(prompt, 1, track, keep=True)
+            out = _decoded(conversation, request)
+            probability = retrieval_probability(out.tracked_logprobs)
+            retrieve = retrieval_id in out.tokens if threshold is None else probability > threshold
             answer = None
             if not retrieve and answer_if_skipped:
                 out = _decoded(conversation, self._answer_request(prompt))

@@ -11,6 +11,7 @@ work is bounded by the chunks at hand and the segment length, never by index val
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,8 @@ from llama_index.packs.self_rag_rse.rse.ordering import (
     with_missing_slots,
 )
 from llama_index.packs.self_rag_rse.rse.types import DocumentRegion, Hole, Segment
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -410,6 +413,13 @@ def place_read(
         else:
             layout.positions[chosen.node_id] = position
             layout.held[position] = chosen
+    if not read and missing:
+        logger.warning(
+            "the store returned none of the chunks between the hits of %s: segments join only "
+            "the chunks at hand. Does it hold the chunks? An IngestionPipeline's docstore holds "
+            "its documents, not their chunks: pass vector_store= or index= instead",
+            ", ".join(sorted(missing)),
+        )
     for doc_id, positions in missing.items():
         layout = layouts[doc_id]
         if not read:

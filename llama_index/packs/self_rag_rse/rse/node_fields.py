@@ -129,16 +129,11 @@ def same_value(a: Any, b: Any) -> bool:
 
 
 def _same_array(a: Any, b: Any) -> bool:
+    # array_equal is False for shapes that differ or values that make no array.
     try:
-        left, right = np.asarray(a), np.asarray(b)
-    except (TypeError, ValueError):
-        return False
-    if left.shape != right.shape:
-        return False
-    try:
-        return bool(np.array_equal(left, right, equal_nan=True))
+        return bool(np.array_equal(a, b, equal_nan=True))
     except TypeError:  # equal_nan needs numbers: object or text arrays compare plainly
-        return bool(np.array_equal(left, right))
+        return bool(np.array_equal(a, b))
 
 
 def _is_nan(value: Any) -> bool:

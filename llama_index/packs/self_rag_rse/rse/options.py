@@ -44,10 +44,6 @@ _LIMITS = {
 }
 
 
-def _count_problem(name: str, value: Any) -> str:
-    return f"{name} must be a positive integer, got {value!r}: pass {_COUNTS[name]}"
-
-
 class SegmentOptions(BaseModel):
     """The options of RSE, their defaults and their checks (see the module docstring)."""
 
@@ -160,11 +156,11 @@ class SegmentOptions(BaseModel):
     @classmethod
     def _count(cls, value: Any, read: Callable[[Any], Any], info: ValidationInfo) -> Any:
         name = str(info.field_name)
-        if isinstance(value, bool):  # pydantic would read True as 1
-            raise ValueError(_count_problem(name, value))
-        value = read(value)
-        if value is not None and value < 1:
-            raise ValueError(_count_problem(name, value))
+        value = value if isinstance(value, bool) else read(value)  # pydantic reads True as 1
+        if value is not None and (isinstance(value, bool) or value < 1):
+            raise ValueError(
+                f"{name} must be a positive integer, got {value!r}: pass {_COUNTS[name]}"
+            )
         limit, unit = _LIMITS.get(name, (value, ""))
         if value is not None and value > limit:
             raise ValueError(f"{name} must be at most {limit:,} {unit}, got {value:,}")

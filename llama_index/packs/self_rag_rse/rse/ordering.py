@@ -150,8 +150,15 @@ def version_conflict(left: BaseNode, right: BaseNode) -> str | None:
 
 def join_conflict(left: BaseNode, right: BaseNode) -> str | None:
     """Why ``left`` and ``right`` must not be joined whatever their texts say, or ``None``:
-    different versions of the document, or a link that names another node."""
-    return version_conflict(left, right) or link_conflict(left, right)
+    different versions of the document, a link that names another node, or a start offset that
+    runs backwards (chunks of two chunkings: an unchanged document re-ingested with another
+    splitter keeps its version and its first chunks' stable ids, not the rest)."""
+    if (conflict := version_conflict(left, right) or link_conflict(left, right)) is not None:
+        return conflict
+    (a, _), (b, _) = char_span(left), char_span(right)
+    if a is None or b is None or b > a:
+        return None
+    return f"{right.node_id} starts at character {b}, not after {left.node_id} ({a})"
 
 
 def run_breaks(nodes: Sequence[BaseNode]) -> tuple[dict[int, str], list[bool]]:

@@ -266,6 +266,18 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
                 stacklevel=4,
             )
         relevance = node_relevance(self.relevance_calibration, scores, self.cosine_range)
+        # Every score positive and below the range: another scale, such as rank fusion's
+        # (negative cosine similarities say irrelevant, not another scale).
+        top = max((float(s) for s in scores if s is not None), default=0.0)
+        cosine = self.relevance_calibration in ("cosine", "cosine_adaptive")
+        if cosine and relevance.size and not relevance.any() and top > 0:
+            warnings.warn(
+                f"no node's score is above cosine_range[0] ({self.cosine_range[0]}), so every "
+                "hit is worth 0 and RSE keeps none: for scores that are no cosine similarities "
+                "(reciprocal-rank fusion, BM25, a reranker) pass calibration='spread' or a "
+                "cosine_range that fits them",
+                stacklevel=4,
+            )
         ranks = np.arange(len(unique), dtype=float)
         values = chunk_value(
             ranks, relevance, self._param("decay_rate"), self._param("irrelevant_chunk_penalty")

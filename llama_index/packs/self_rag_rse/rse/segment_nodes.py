@@ -74,19 +74,13 @@ def segment_nodes(segment: Segment, headers: bool = True) -> list[TextNode]:
     for key in (*members[0].excluded_llm_metadata_keys, CHUNK_INDEX_KEY):
         if key not in hidden:
             hidden.append(key)
-    relationships = {}
     source = members[0].relationships.get(NodeRelationship.SOURCE)
-    if source is not None:
-        relationships[NodeRelationship.SOURCE] = source
+    relationships = {NodeRelationship.SOURCE: source} if source is not None else {}
 
     nodes = []
     for piece in pieces:
-        chunk_range: list[int] | None = None
-        if segment.chunk_range is not None:
-            chunk_range = [
-                segment.chunk_range[0] + piece.first,
-                segment.chunk_range[0] + piece.stop,
-            ]
+        base = segment.chunk_range[0] if segment.chunk_range is not None else None
+        chunk_range = None if base is None else [base + piece.first, base + piece.stop]
         known = piece.start_char is not None and piece.end_char is not None
         metadata: dict[str, Any] = {
             **shared,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import AsyncIterator
+import math
 from typing import Any, Literal
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -42,7 +42,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.prompts.mixin import PromptDictType, PromptMixin, PromptMixinType
 from llama_index.core.query_engine import CustomQueryEngine
-from llama_index.core.schema import QueryType
+from llama_index.core.schema import QueryBundle, QueryType
 
 from llama_index.packs.self_rag_rse.common.bridge import run_sync
 from llama_index.packs.self_rag_rse.common.options import (
@@ -51,7 +51,7 @@ from llama_index.packs.self_rag_rse.common.options import (
     require_finite,
 )
 from llama_index.packs.self_rag_rse.common.streams import astripped, stripped
-from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic, ParagraphJudgement, astream
+from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic, ParagraphJudgement
 from llama_index.packs.self_rag_rse.self_rag.factory import build_critic
 from llama_index.packs.self_rag_rse.self_rag.flow import FlowParts, Outcome, check_query, query_meta
 from llama_index.packs.self_rag_rse.self_rag.long_form import long_form, long_form_unsupported
@@ -76,6 +76,9 @@ DEFAULT_TITLE_KEYS = ("title", "document_title")
 #: Options that must be finite numbers (``threshold`` may be None).
 _NUMBERS = ["w_rel", "w_sup", "w_use", "threshold", "rewrite_threshold"]
 _NUMBERS += ["support_threshold", "utility_threshold"]
+#: The scale each threshold is read on: the gate, relevance and support are probabilities.
+_SCALES = dict.fromkeys(["threshold", "rewrite_threshold", "support_threshold"], (0.0, 1.0))
+_SCALES["utility_threshold"] = (-1.0, 1.0)  # IsUSE's
 _COUNTS = ["max_new_tokens", "max_retrieval_rounds", "beam_width", "max_segments", "ndocs"]
 #: Keyword arguments of the upstream constructor that are not pydantic fields.
 _CONSTRUCTOR_ARGS = {"model_path", "model_kwargs", "generate_kwargs", "llm", "critic"}
@@ -240,8 +243,10 @@ class SelfRAGQueryEngine(CustomQueryEngine):
     @classmethod
     def _finite(cls, value: float | None, info: ValidationInfo) -> float | None:
         require_finite("SelfRAGQueryEngine", **{str(info.field_name): value})
-        if info.field_name == "threshold" and value is not None and not 0.0 <= value <= 1.0:
-            raise ValueError(f"threshold is a probability in [0, 1] (or None), got {value}")
+        low, high = _SCALES.get(str(info.field_name), (-math.inf, math.inf))
+        if value is not None and not low <= value <= high:
+            scale = f"[{low:g}, {high:g}], the scale it is read on"
+            raise ValueError(f"{info.field_name} must be in {scale}, got {value}")
         return value
 
     @field_validator(*_NUMBERS, *_COUNTS, mode="before")
@@ -370,7 +375,8 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         """Answer a query."""
         check_query(str_or_query_bundle)
         dispatcher.event(QueryStartEvent(query=str_or_query_bundle))
-        response = super().query(str_or_query_bundle)
+        with self.callback_manager.as_trace("query"):  # as core's, with the bundle whole
+            response = self.custom_query(str_or_query_bundle)
         dispatcher.event(QueryEndEvent(query=str_or_query_bundle, response=response))
         return response
 
@@ -379,55 +385,52 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         """Answer a query without blocking the event loop."""
         check_query(str_or_query_bundle)
         dispatcher.event(QueryStartEvent(query=str_or_query_bundle))
-        response = await super().aquery(str_or_query_bundle)
+        with self.callback_manager.as_trace("query"):
+            response = await self.acustom_query(str_or_query_bundle)
         dispatcher.event(QueryEndEvent(query=str_or_query_bundle, response=response))
         return response
 
-    def custom_query(self, query_str: str) -> Response | StreamingResponse:
+    def custom_query(self, query_str: QueryType) -> Response | StreamingResponse:
         """Run Self-RAG for one query (blocking; safe inside a running event loop too)."""
-        outcome = run_sync(self._run(query_str, blocking=True))
+        bundle = query_str if isinstance(query_str, QueryBundle) else QueryBundle(query_str)
+        outcome = run_sync(self._run(bundle, blocking=True))
         final = functools.partial(self._final, meta=outcome.meta)
         meta = {"self_rag": outcome.meta}
         if self.streaming:
             pieces = outcome.stream()
-            stream = self._critic.stream_generate(query_str) if pieces is None else pieces
+            stream = self._critic.stream_generate(bundle.query_str) if pieces is None else pieces
             return StreamingResponse(stripped(stream, final), outcome.sources, meta)
         if outcome.answer is None:
-            outcome.answer = self._critic.generate(query_str)
+            outcome.answer = self._critic.generate(bundle.query_str)
         return Response(final(outcome.answer), outcome.sources, meta)
 
-    async def acustom_query(self, query_str: str) -> Response | AsyncStreamingResponse:
+    async def acustom_query(self, query_str: QueryType) -> Response | AsyncStreamingResponse:
         """Run Self-RAG for one query; model work runs off the event loop."""
-        outcome = await self._run(query_str, blocking=False)
+        bundle = query_str if isinstance(query_str, QueryBundle) else QueryBundle(query_str)
+        outcome = await self._run(bundle, blocking=False)
         final = functools.partial(self._final, meta=outcome.meta)
         meta = {"self_rag": outcome.meta}
         if self.streaming:
-            stream = self._answer_pieces(outcome.stream(), query_str)
+            stream = outcome.apieces(self._critic, bundle.query_str)
             return AsyncStreamingResponse(astripped(stream, final), outcome.sources, meta)
         if outcome.answer is None:
-            outcome.answer = await self._critic.agenerate(query_str)
+            outcome.answer = await self._critic.agenerate(bundle.query_str)
         return Response(final(outcome.answer), outcome.sources, meta)
 
-    async def _answer_pieces(self, pieces: list[str] | None, query: str) -> AsyncIterator[str]:
-        """The answer's ``pieces``, or (``None``) the model's own answer as it writes it."""
-        if pieces is None:
-            async for piece in astream(self._critic, query):
-                yield piece
-        for piece in pieces or []:
-            yield piece
-
     # -- the flow -----------------------------------------------------------------------------
-    async def _run(self, query: str, blocking: bool) -> Outcome:
+    async def _run(self, bundle: QueryBundle, blocking: bool) -> Outcome:
         """The query's flow, the same for ``query`` and ``aquery``: the gate, then the short
         or the long form; sources and metadata are complete when it returns. ``blocking``
         (``query``): retrieve with the blocking methods (see :func:`~.retrieval.retrieve`)."""
         meta = query_meta(self._critic.name, self.long_form)
-        outcome = await self._flow(query, meta, blocking)
+        outcome = await self._flow(bundle.query_str, meta, blocking, bundle)
         if self.verbose:
             print_table(meta)
         return outcome
 
-    async def _flow(self, query: str, meta: dict[str, Any], blocking: bool) -> Outcome:
+    async def _flow(
+        self, query: str, meta: dict[str, Any], blocking: bool, bundle: QueryBundle
+    ) -> Outcome:
         if self.mode == "no_retrieval":
             meta["trace"].append({"step": "generate", "reason": "mode=no_retrieval"})
             return Outcome(None, [], meta)
@@ -446,7 +449,7 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         parts = FlowParts(
             critic=self._critic,
             retrieve=functools.partial(
-                retrieve, self.retriever, self.node_postprocessors, blocking=blocking
+                retrieve, self.retriever, self.node_postprocessors, blocking=blocking, bundle=bundle
             ),
             score=self._score,
             paragraph=functools.partial(paragraph_text, title_key=self.title_key),

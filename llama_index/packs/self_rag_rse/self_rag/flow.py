@@ -4,14 +4,14 @@ engine builds a :class:`FlowParts` for :func:`~.short_form.short_form` or
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
-from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic, ParagraphJudgement
+from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic, ParagraphJudgement, astream
 from llama_index.packs.self_rag_rse.self_rag.retrieval import Retrieval, node_text
 
 
@@ -67,6 +67,15 @@ class Outcome:
         first, *rest = self.pieces or [self.answer]
         return [first, *(f" {piece}" for piece in rest)]
 
+    async def apieces(self, critic: BaseCritic, query: str) -> AsyncIterator[str]:
+        """The known answer's stream, or the critic's own answer to ``query`` as it writes it."""
+        pieces = self.stream()
+        if pieces is None:
+            async for piece in astream(critic, query):
+                yield piece
+        for piece in pieces or []:
+            yield piece
+
 
 def query_meta(critic: str, long_form: bool) -> dict[str, Any]:
     """A query's ``metadata["self_rag"]`` before the flow fills it in."""
@@ -94,19 +103,21 @@ def check_query(query: Any) -> None:
 async def passages(
     parts: FlowParts, text: str, seen: set[str] | None = None, **where: int
 ) -> list[NodeWithScore]:
-    """Retrieve for ``text``, leave out nodes already ``seen`` (their ids), cut to ``ndocs``,
-    trace the retrieval (``where`` says which round or depth) and skip empty paragraphs
-    (traced, and added to ``seen``): the paragraphs a form judges."""
+    """Retrieve for ``text``, leave out nodes already ``seen`` (their ids), trace the retrieval
+    (``where`` says which round or depth), skip empty paragraphs (traced, and added to
+    ``seen``) and cut to ``ndocs``: the paragraphs a form judges (empty ones never take a
+    place: an image node ranked first leaves room for the next paragraph with text)."""
     retrieved = await parts.retrieve(text)
     nodes = [n for n in retrieved.nodes if seen is None or n.node.node_id not in seen]
-    nodes = nodes[: parts.ndocs] if parts.ndocs is not None else nodes
+    empty = [n.node.node_id for n in nodes if not node_text(n).strip()]
+    nodes = [n for n in nodes if node_text(n).strip()][: parts.ndocs]
     entry: dict[str, Any] = dict(step="retrieve", **where, query=text, nodes=len(nodes))
     if retrieved.dropped_by is not None:
         entry.update(retrieved=retrieved.retrieved, dropped_by=retrieved.dropped_by)
         entry["reason"] = retrieved.note
     parts.trace.append(entry)
-    if empty := [n.node.node_id for n in nodes if not node_text(n).strip()]:
+    if empty:
         parts.trace.append(dict(step="skip_empty", node_ids=empty, reason="paragraph has no text"))
         if seen is not None:
             seen.update(empty)
-    return [n for n in nodes if node_text(n).strip()]
+    return nodes

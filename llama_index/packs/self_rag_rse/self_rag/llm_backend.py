@@ -180,6 +180,8 @@ class LLMBackend(CriticBackend):
 
     def _limit(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
+        for closed in [old for old in self._limits if old.is_closed()]:
+            del self._limits[closed]  # a semaphore holds its loop: the weak key never lets go
         limit = self._limits.get(loop)
         if limit is None:
             limit = self._limits[loop] = asyncio.Semaphore(self.num_workers)

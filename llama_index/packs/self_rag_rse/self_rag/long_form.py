@@ -135,12 +135,6 @@ async def long_form(
     return _answer(beam[0], meta, trace)
 
 
-def _cite(written: Written, numbers: dict[str, int]) -> str:
-    """``"text [n]"``, numbering the passage on its first citation."""
-    n = numbers.setdefault(_id(written.passage), len(numbers) + 1)
-    return f"{written.segment.answer} [{n}]"
-
-
 def _answer(best: Path, meta: dict[str, Any], trace: list[dict[str, Any]]) -> Outcome:
     """The best path as the response: text with citations, cited passages, segment rows."""
     numbers: dict[str, int] = {}
@@ -155,8 +149,8 @@ def _answer(best: Path, meta: dict[str, Any], trace: list[dict[str, Any]]) -> Ou
         row["passage_cut"] = int(segment.details.get("passage_cut", 0))
         if segment.answer:
             new = _id(written.passage) not in numbers
-            parts.append(_cite(written, numbers))
-            row["citation"] = numbers[_id(written.passage)]
+            n = row["citation"] = numbers.setdefault(_id(written.passage), len(numbers) + 1)
+            parts.append(f"{segment.answer} [{n}]")  # a passage's number is its first citation's
             if new:
                 sources.append(NodeWithScore(node=written.passage.node, score=written.score))
         meta["segments"].append(row)

@@ -259,14 +259,9 @@ def _judgement(item: ParagraphResult) -> ParagraphJudgement:
     failures = [item.answer] if isinstance(item.answer, Exception) else []
     failures += [s for s in item.scores.values() if isinstance(s, Exception)]
     if failures:
-        return ParagraphJudgement(
-            answer="",
-            relevance=0.0,
-            support=0.0,
-            utility=0.0,
-            error=f"{type(failures[0]).__name__}: {failures[0]}",
-            details={"relevance": "error", "support": "error", "utility": "error"},
-        )
+        error = f"{type(failures[0]).__name__}: {failures[0]}"
+        marks = dict.fromkeys(("relevance", "support", "utility"), "error")
+        return ParagraphJudgement("", 0.0, 0.0, 0.0, error=error, details=marks)
     assert isinstance(item.answer, Generated)
     scores = {k: v for k, v in item.scores.items() if isinstance(v, Scored)}
     details: dict[str, Any] = {name: scores[name].method for name in scores}

@@ -91,12 +91,10 @@ def as_template(
     template = PromptTemplate(prompt) if isinstance(prompt, str) else prompt
     mappings = template.template_var_mappings or {}
     provided = set(template.template_vars) | set((template.function_mappings or {}).keys())
-    missing = [
-        v for v in (variables or PROMPT_VARIABLES)[key] if mappings.get(v, v) not in provided
-    ]
-    if missing:
+    needed = (variables or PROMPT_VARIABLES)[key]
+    if missing := [v for v in needed if mappings.get(v, v) not in provided]:
         raise ValueError(
             f"{key} must use {', '.join('{' + v + '}' for v in missing)}: the critic fills "
-            f"{', '.join((variables or PROMPT_VARIABLES)[key])} (query, paragraph text, answer)"
+            f"{', '.join(needed)} (query, paragraph text, answer)"
         )
     return template

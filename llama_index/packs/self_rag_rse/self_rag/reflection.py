@@ -213,18 +213,15 @@ def utility_score(
     logprobs: ArrayLike,
     generated: Sequence[Hashable],
     column_ids: Sequence[Hashable] = REFLECTION_TOKENS,
-    weights: Sequence[float] = UTILITY_WEIGHTS,
 ) -> float:
-    """IsUSE: Σ w_i·p(Utility:i) / Σ p(Utility:i), w = (-1, -0.5, 0, 0.5, 1) by default.
+    """IsUSE: Σ w_i·p(Utility:i) / Σ p(Utility:i), w = UTILITY_WEIGHTS = (-1, -0.5, 0, 0.5, 1).
 
     Read at the first position where the model generated a utility token (the Self-RAG code uses
     the first; LlamaIndex's old pack used the last); 0.0 when it generated none, which is also the
     weight of a neutral ``[Utility:3]``.
     """
-    if len(weights) != len(UTILITY_TOKENS):
-        raise ValueError(f"weights must have {len(UTILITY_TOKENS)} entries, got {len(weights)}")
     probs = _group(logprobs, _UTILITY_COLS, generated, column_ids)
-    return 0.0 if probs is None else float(np.dot(probs, np.asarray(weights, dtype=np.float64)))
+    return 0.0 if probs is None else float(np.dot(probs, UTILITY_WEIGHTS))
 
 
 def sequence_score(token_logprobs: ArrayLike) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -67,12 +68,15 @@ def checked_nodes(nodes: Any, source: Any) -> list[NodeWithScore]:
 @contextmanager
 def _retriever_errors(retriever: Any) -> Iterator[None]:
     """Name the retriever in a type error from core's handling of what it returned (core
-    iterates the nodes before we see them: a ``_retrieve`` returning ``None`` fails there)."""
+    iterates the nodes before we see them: a ``_retrieve`` returning ``None`` fails there); an
+    error raised inside the retriever's own work goes on unchanged."""
     try:
         yield
     except (TypeError, AttributeError) as error:
-        if str(error).startswith(type(retriever).__name__):
-            raise  # ours, already named
+        frames = traceback.extract_tb(error.__traceback__)
+        handled = any(f.name.endswith("handle_recursive_retrieval") for f in frames)  # core's
+        if str(error).startswith(type(retriever).__name__) or not handled:
+            raise  # ours, already named; or the retriever's own failure, as it is
         raise TypeError(
             f"{type(retriever).__name__} failed while retrieving ({type(error).__name__}: "
             f"{error}); a retriever must return a list of NodeWithScore (an empty list when "
@@ -81,13 +85,15 @@ def _retriever_errors(retriever: Any) -> Iterator[None]:
 
 
 async def retrieve(
-    retriever: Any, postprocessors: Sequence[Any], text: str, *, blocking: bool
+    retriever: Any, postprocessors: Sequence[Any], text: str, *, blocking: bool, bundle: Any = None
 ) -> Retrieval:
     """Retrieve for ``text`` and run the postprocessors, noting one that dropped every node.
 
     ``blocking`` (a synchronous query) calls their blocking methods, in worker threads: a
-    retriever without async support works, and the event loop stays free meanwhile."""
-    bundle = QueryBundle(text)
+    retriever without async support works, and the event loop stays free meanwhile. ``bundle``:
+    the caller's ``QueryBundle``, used whole (its ``custom_embedding_strs`` or ``embedding``,
+    e.g. HyDE's) when ``text`` is its question; a rewrite gets a bundle of its own."""
+    bundle = bundle if getattr(bundle, "query_str", None) == text else QueryBundle(text)
     store = vector_store_of(retriever)
     with _retriever_errors(retriever):
         if sync_client(store) is not None:  # its async calls would fail: its sync one, in a thread

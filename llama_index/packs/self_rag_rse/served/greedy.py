@@ -98,6 +98,31 @@ def server_kind(models: Any) -> str:
     return _OWNERS.get(owner, OPENAI) if isinstance(owner, str) else OPENAI
 
 
+#: Request fields the critic reads its answers and log-probs back by: ``request_options`` may not
+#: set them (``max_new_tokens`` and ``top_logprobs`` are the critic's own options for two).
+CRITIC_FIELDS = frozenset(
+    {"prompt", "n_predict", "max_tokens", "n_probs", "logprobs", "post_sampling_probs"}
+    | {"return_tokens", "stream", "echo"}
+)
+
+
+def request_fields(request_options: Any) -> dict[str, Any]:
+    """``request_options`` as a dict; a value that is no mapping, or one that sets any of
+    :data:`CRITIC_FIELDS`, is refused with the fix."""
+    if not isinstance(request_options, Mapping | None):
+        raise TypeError(
+            "ServedReflectionCritic: request_options must be a mapping of request fields, e.g. "
+            f"{{'repeat_penalty': 1.0}}; got {type(request_options).__name__}"
+        )
+    if own := sorted(CRITIC_FIELDS.intersection(request_options or {})):
+        raise ValueError(
+            f"ServedReflectionCritic: request_options sets {own}, which the critic sets itself "
+            "to read its answers and log-probs back: pass max_new_tokens= or top_logprobs= to "
+            "the critic instead of n_predict/max_tokens/n_probs/logprobs, and leave the others out"
+        )
+    return dict(request_options or {})
+
+
 def greedy_options(kind: str, request_options: Mapping[str, Any]) -> dict[str, Any]:
     """The greedy fields for ``kind`` with ``request_options`` on top."""
     return {**GREEDY[kind], **request_options}

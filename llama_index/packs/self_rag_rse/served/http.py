@@ -128,6 +128,10 @@ class JSONClient:
     def _client(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
         loop = asyncio.get_running_loop()
         with self._lock:
+            # A client holds its loop, so a weak key alone never lets go: drop closed loops'
+            # clients, or every asyncio.run(aquery(...)) would keep its sockets open.
+            for closed in [old for old in self._clients if old.is_closed()]:
+                del self._clients[closed]
             pair = self._clients.get(loop)
             if pair is None or pair[0].is_closed:
                 client = httpx.AsyncClient(

@@ -67,7 +67,7 @@ from llama_index.packs.self_rag_rse.served.answers import (
 from llama_index.packs.self_rag_rse.served.apis import CompletionAPI, Layout, ServerInfo
 from llama_index.packs.self_rag_rse.served.endpoint import endpoint_of, split_url
 from llama_index.packs.self_rag_rse.served.followups import Followups
-from llama_index.packs.self_rag_rse.served.greedy import check_greedy
+from llama_index.packs.self_rag_rse.served.greedy import check_greedy, request_fields
 from llama_index.packs.self_rag_rse.served.http import (
     JSONClient,
     MalformedResponse,
@@ -164,6 +164,10 @@ class ServedReflectionCritic(BaseCritic):
                 f"max_logprobs ({max_logprobs}) must be >= top_logprobs ({top_logprobs}): it is "
                 "the most the server returns per position"
             )
+        for name, value in (("model", model), ("api_key", api_key)):
+            if not isinstance(value, str | None):
+                message = f"{name} must be a string or None, got {type(value).__name__}"
+                raise TypeError(f"ServedReflectionCritic: {message}")
         self.root, self.openai_base = split_url(base_url)
         self.model = model
         self.api = api
@@ -172,7 +176,7 @@ class ServedReflectionCritic(BaseCritic):
         self.missing_logprobs = missing_logprobs
         self.max_logprobs = max_logprobs
         self.n_ctx = n_ctx
-        self.request_options = dict(request_options or {})
+        self.request_options = request_fields(request_options)
         client = functools.partial(
             JSONClient, timeout=timeout, num_workers=num_workers, api_key=api_key
         )

@@ -222,6 +222,10 @@ def test_a_non_empty_folder_is_never_silently_overwritten(tmp_path):
     (dest / "pyproject.toml").write_text("[project]\nname = 'mine'\n")
     with pytest.raises(FileExistsError, match=r"not empty.*pyproject.toml.*overwrite"):
         copy_pack(source, dest)
+    # --overwrite replaces the package folder whole: the refusal said "other files are kept",
+    # and a module the user had added there was gone.
+    with pytest.raises(FileExistsError, match=r"self_rag_rse/ whole \(files you added in it go"):
+        copy_pack(source, dest)
     assert (dest / "pyproject.toml").read_text() == "[project]\nname = 'mine'\n"
     assert sorted(p.name for p in dest.iterdir()) == ["pyproject.toml"]
 

@@ -83,6 +83,26 @@ def test_llm_titles_and_summaries_are_cached(markdown: str, scripted: Any, tmp_p
     assert again.usage.llm_calls == 0 and again.usage.cached == calls
 
 
+def test_llm_answers_paid_for_are_kept_when_a_later_call_fails(
+    markdown: str, scripted: Any, tmp_path: Any
+) -> None:
+    # The cache was written only after every call succeeded: one rate-limit error on the last
+    # call lost every answer already paid for, and the rerun asked them all again.
+    def failing(prompt: str) -> str:
+        if 'section "Diet > Fish"' in prompt:
+            raise RuntimeError("HTTP 429: rate limited")
+        return "This section is short."
+
+    headers = ContextualHeaders(llm=scripted(failing), section_summary=True, cache=tmp_path)
+    with pytest.raises(RuntimeError, match="429"):
+        headers(_chunks(markdown))
+    again = ContextualHeaders(
+        llm=scripted(lambda prompt: "This section is short."), section_summary=True, cache=tmp_path
+    )
+    again(_chunks(markdown))
+    assert again.usage.cached >= 1 and again.usage.llm_calls >= 1  # the failed one is asked again
+
+
 async def test_llm_calls_stay_within_num_workers(markdown: str, scripted: Any) -> None:
     llm = scripted(lambda prompt: "This section is short.", delay=0.02)
     headers = ContextualHeaders(llm=llm, section_summary=True, num_workers=2)

@@ -123,6 +123,25 @@ def test_llm_strategy_windows_stitch_and_cache(
     assert third.usage.llm_calls > 0
 
 
+def test_plans_paid_for_are_kept_when_a_later_call_fails(
+    markdown: str, scripted: Any, heading_partition: Any, tmp_path: Any
+) -> None:
+    # The cache was written only after every document's plan: one failed call lost them all.
+    docs = [Document(text=markdown, id_="herons"), Document(text=markdown + "\nEgrets.\n", id_="b")]
+
+    def failing(prompt: str) -> str:
+        if "Egrets." in prompt:
+            raise RuntimeError("HTTP 429: rate limited")
+        return heading_partition(prompt)
+
+    options = {"strategy": "llm", "splitter": None, "num_workers": 1, "cache": tmp_path}
+    with pytest.raises(RuntimeError, match="429"):
+        DocumentSectioner(llm=scripted(failing), **options)(docs)
+    again = DocumentSectioner(llm=scripted(heading_partition), **options)
+    again(docs)
+    assert again.usage.cached == 1 and again.usage.llm_calls >= 1
+
+
 def test_unusable_answers_raise_naming_the_window_or_fall_back(
     markdown: str, scripted: Any, caplog: pytest.LogCaptureFixture, tmp_path: Any
 ) -> None:

@@ -73,7 +73,7 @@ def test_served_model_is_an_openai_like():
 def test_bundled_model_uses_its_own_chat_template():
     llm, label, close = load_llm(parse_spec("bundled"), 4, 512)
     try:
-        assert label.startswith("SmolLM2-135M")
+        assert label.startswith("LlamaCPP(SmolLM2-135M")
         prompt = llm.completion_to_prompt("Hi?")
         assert prompt.endswith("<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n")
     finally:

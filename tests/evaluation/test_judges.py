@@ -201,3 +201,19 @@ def test_identity_and_metrics(scripted_llm, ragas_rules, word_embedding):
     core = make_judge(llm, backend="llamaindex")
     described = describe_judge(core, None, llm)
     assert described["identity"].startswith("llama-index-core evaluators / ScriptedLLM(")
+
+
+def test_two_ggufs_of_one_name_have_different_labels(scripted_llm, tmp_path):
+    # The label keys cached answers and judgements: a second model.gguf in another folder (or
+    # one re-quantised in place) was given the first one's answers, marked cached.
+    from llama_index.packs.self_rag_rse.evaluation.judges import llm_label
+
+    labels = []
+    for folder, size in (("m1", 10), ("m2", 20)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "model.gguf").write_bytes(b"\0" * size)
+        labels.append(
+            llm_label(scripted_llm(lambda p: "", model=str(tmp_path / folder / "model.gguf")))
+        )
+    assert labels[0] != labels[1]
+    assert labels[0].startswith("ScriptedLLM(model.gguf, 10 bytes")

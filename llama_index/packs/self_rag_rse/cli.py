@@ -95,7 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
         "e.g. --extra llama-cpp",
     )
     for flag, text in (
-        ("--overwrite", "replace the pack's files in a non-empty DIR (other files are kept)"),
+        (
+            "--overwrite",
+            "replace the pack's files in a non-empty DIR: its package folder whole (files you "
+            "added there go too), the project files one by one (other files are kept)",
+        ),
         (
             "--use-existing",
             "if DIR already holds a copy, use it as it is (core's refresh_cache=False)",

@@ -261,7 +261,8 @@ def copy_pack(
             f"download_dir {dest} is not empty (it holds {', '.join(existing[:5])}"
             f"{' ...' if len(existing) > 5 else ''}) and copying would change {shown}; "
             f"nothing was written. Pick a new or empty folder{reuse}, or pass overwrite=True "
-            "(CLI: --overwrite) to replace the pack's files there (other files are kept)."
+            f"(CLI: --overwrite) to replace the pack's files there: {PACKAGE_PATH.as_posix()}/ "
+            "whole (files you added in it go too); other files are kept."
         )
     _check_writable(dest)
     if overwrite and has_copy:

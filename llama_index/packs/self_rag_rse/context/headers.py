@@ -154,26 +154,28 @@ class ContextualHeaders(ContextComponent):
         self._usage = ContextUsage(documents=len(documents))
         titles = {doc: self._given_title(members) for doc, members in documents.items()}
         need_title = [doc for doc, title in titles.items() if title is None]
-        found = await self._run(
-            [self._ask("title", documents[doc], MAX_TITLE_CHARS) for doc in need_title],
-            show_progress,
-            "Titles",
-        )
-        for doc, title in zip(need_title, found, strict=True):
-            titles[doc] = title or _file_title(documents[doc])
-        # Summaries keyed (document, None) for a document's, (document, section) for a section's.
-        jobs: dict[tuple[str, Any], Awaitable[str]] = {}
-        for doc, members in documents.items():
-            if self.document_summary:
-                jobs[doc, None] = self._ask(
-                    "document_summary", members, MAX_SUMMARY_CHARS, title=titles[doc] or ""
-                )
-            if self.section_summary:
-                for section, part in _by_section(members).items():
-                    jobs[doc, section] = self._llm_section_summary(titles[doc] or "", part)
-        found = await self._run(list(jobs.values()), show_progress, "Summaries")
-        summaries = dict(zip(jobs, found, strict=True))
-        self._cache.persist()
+        try:
+            found = await self._run(
+                [self._ask("title", documents[doc], MAX_TITLE_CHARS) for doc in need_title],
+                show_progress,
+                "Titles",
+            )
+            for doc, title in zip(need_title, found, strict=True):
+                titles[doc] = title or _file_title(documents[doc])
+            # Summaries keyed (document, None) for a document's, (document, section) a section's.
+            jobs: dict[tuple[str, Any], Awaitable[str]] = {}
+            for doc, members in documents.items():
+                if self.document_summary:
+                    jobs[doc, None] = self._ask(
+                        "document_summary", members, MAX_SUMMARY_CHARS, title=titles[doc] or ""
+                    )
+                if self.section_summary:
+                    for section, part in _by_section(members).items():
+                        jobs[doc, section] = self._llm_section_summary(titles[doc] or "", part)
+            found = await self._run(list(jobs.values()), show_progress, "Summaries")
+            summaries = dict(zip(jobs, found, strict=True))
+        finally:  # what was paid for is kept, also when a later call fails (or Ctrl-C)
+            self._cache.persist()
         for doc, members in documents.items():
             for node in members:
                 self._write(

@@ -179,10 +179,12 @@ class DocumentSectioner(ContextComponent):
             plans = [_Plan(*self.sections(text), "headings") for text in texts]
         else:
             jobs = [self._llm_plan(node) for node in nodes]
-            plans = await run_jobs(
-                jobs, show_progress, workers=self.num_workers, desc="Sectioning documents (LLM)"
-            )
-            self._cache.persist()
+            try:
+                plans = await run_jobs(
+                    jobs, show_progress, workers=self.num_workers, desc="Sectioning documents (LLM)"
+                )
+            finally:  # what was paid for is kept, also when a later call fails (or Ctrl-C)
+                self._cache.persist()
             if rejected := self._usage.rejected:
                 logger.warning(
                     "DocumentSectioner: the LLM's sections were rejected in %d window(s); those "

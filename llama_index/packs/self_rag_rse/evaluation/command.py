@@ -99,7 +99,7 @@ def load_llm(spec: ModelSpec, max_new_tokens: int, context_window: int) -> tuple
     path = bundled_gguf() if spec.kind == BUNDLED else Path(str(spec.value))
     llm = load_gguf(path, max_new_tokens=max_new_tokens, context_window=context_window)
     llama = llama_of(llm)
-    return llm, f"{path.name} (llama.cpp)", llama.close if llama is not None else lambda: None
+    return llm, judges.llm_label(llm), llama.close if llama is not None else lambda: None
 
 
 def _first_model(url: str) -> str:

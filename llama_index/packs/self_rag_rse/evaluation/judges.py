@@ -176,12 +176,13 @@ def describe_judge(judge: Mapping[str, core.BaseEvaluator], name: str | None, ll
 
 
 def llm_label(llm: Any) -> str:
-    """A short, stable name for an LLM: its class, model (a GGUF's file name) and reply length."""
-    model, tokens = str(getattr(llm, "model", "") or ""), None
+    """A short, stable name for an LLM: class, model (a GGUF's name and size) and reply length."""
+    model, tokens, size = str(getattr(llm, "model", "") or ""), None, None
     with contextlib.suppress(Exception):  # a label must never fail
         model, tokens = str(llm.metadata.model_name or ""), llm.metadata.num_output
+        size = f"{Path(model).stat().st_size:,} bytes" if model.endswith(".gguf") else None
     # The reply length changes what a judge can say (a JSON list cut short fails to parse).
-    parts = [Path(model).name if model.endswith(".gguf") else model, tokens and f"{tokens} tokens"]
+    parts = [Path(model).name if size else model, size, tokens and f"{tokens} tokens"]
     return f"{type(llm).__name__}({', '.join(p for p in parts if p)})".replace("()", "")
 
 

@@ -182,7 +182,6 @@ async def _judge_one(
     attempts = AsyncRetrying(
         stop=stop_after_attempt(retries + 1), wait=RETRY_WAIT, retry=retry, reraise=True
     )
-    score = None
     try:
         async for attempt in attempts:
             with attempt:

@@ -256,8 +256,9 @@ def test_a_new_event_loop_per_query_does_not_keep_the_old_loops_connections(
     import gc
     import os
 
-    def open_files() -> int:
-        return len(os.listdir(f"/proc/{os.getpid()}/fd"))
+    def open_files() -> int:  # where the system lists them (Linux); else the cache alone
+        fds = f"/proc/{os.getpid()}/fd"
+        return len(os.listdir(fds)) if os.path.isdir(fds) else 0
 
     client = JSONClient(llama_server("user_defined").url, timeout=30)
     asyncio.run(client.get("/health"))

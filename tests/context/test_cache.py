@@ -107,3 +107,36 @@ def test_the_cache_file_given_for_its_folder_is_an_error_naming_the_folder(tmp_p
     (tmp_path / CACHE_FILE_NAME).write_text("{}")
     with pytest.raises(ValueError, match=f"is a file: pass its folder, cache='{tmp_path}'"):
         ContextualHeaders(cache=str(tmp_path / CACHE_FILE_NAME))
+
+
+async def test_two_caches_of_one_folder_keep_each_others_entries(tmp_path: Any) -> None:
+    # DocumentSectioner(cache=DIR) and ContextualHeaders(cache=DIR): one file, two loaders.
+    first, second = ContextCache.from_dir(tmp_path), ContextCache.from_dir(tmp_path)
+    await first.aput("sections", "a", {"starts": [[0, "A"]]})
+    await second.aput("titles", "b", {"title": "B"})
+    await second.aput("sections", "c", {"starts": [[0, "C"]]})
+    first.persist()
+    second.persist()  # used to write its own entries only: "a" was gone
+    reloaded = ContextCache.from_dir(tmp_path)
+    assert await reloaded.aget("sections", "a") == {"starts": [[0, "A"]]}
+    assert await reloaded.aget("sections", "c") == {"starts": [[0, "C"]]}
+    assert await reloaded.aget("titles", "b") == {"title": "B"}
+    await first.aput("titles", "b", {"title": "newer"})
+    first.persist()  # its own value of a key wins over the file's
+    assert await ContextCache.from_dir(tmp_path).aget("titles", "b") == {"title": "newer"}
+
+
+async def test_a_pickled_component_keeps_its_cache(tmp_path: Any) -> None:
+    # IngestionPipeline(num_workers=2) pickles the transformations; core's __setstate__ runs
+    # __init__ again without cache=, which left the workers a fresh cache with no folder.
+    import pickle
+
+    from llama_index.packs.self_rag_rse import ContextualHeaders
+
+    headers = ContextualHeaders(cache=str(tmp_path))
+    await headers.cache.aput("titles", "k", {"title": "T"})
+    copy = pickle.loads(pickle.dumps(headers))
+    assert copy.cache.persist_path == headers.cache.persist_path
+    assert await copy.cache.aget("titles", "k") == {"title": "T"}
+    copy.cache.persist()
+    assert await ContextCache.from_dir(tmp_path).aget("titles", "k") == {"title": "T"}

@@ -157,3 +157,26 @@ def test_a_section_path_given_as_text_is_one_section() -> None:
     (node,) = ContextualHeaders()(SentenceSplitter()([document]))
     assert node.metadata[HEADER_KEY] == "Document: T\nSection: Intro"
     assert segment_header(node) == "Document: T\nSection: Intro"  # the segment's header too
+
+
+@pytest.mark.parametrize(
+    ("answer", "kept"),
+    [
+        ('Title: "Herons"\n', "Herons"),
+        ("**Title:** Herons of the marsh", "Herons of the marsh"),  # used to keep "** Herons..."
+        ("## Title: Herons", "Herons"),
+        (
+            "Here is a one-sentence summary:\n\nThis document describes herons.",
+            "This document describes herons.",
+        ),  # the preamble used to be the summary
+        ("**Summary:** Herons eat fish.\nMore.", "Herons eat fish."),
+        ("Title:\nHerons", "Herons"),
+        ("Herons: a field guide", "Herons: a field guide"),
+        ("Ends with a colon:", "Ends with a colon:"),  # nothing after it: kept
+        ("", ""),
+    ],
+)
+def test_a_chatty_answer_gives_its_title_or_summary(answer: str, kept: str) -> None:
+    from llama_index.packs.self_rag_rse.context.headers import _first_line
+
+    assert _first_line(answer, 200) == kept

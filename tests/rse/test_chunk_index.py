@@ -7,7 +7,13 @@ import random
 
 import pytest
 from llama_index.core.ingestion import IngestionPipeline
-from llama_index.core.schema import MetadataMode, NodeRelationship, RelatedNodeInfo, TextNode
+from llama_index.core.schema import (
+    Document,
+    MetadataMode,
+    NodeRelationship,
+    RelatedNodeInfo,
+    TextNode,
+)
 
 from llama_index.packs.self_rag_rse import CHUNK_INDEX_KEY, ChunkIndexer
 
@@ -235,3 +241,16 @@ def test_two_documents_sharing_an_id_are_refused_naming_it():
     chunks = SentenceSplitter(chunk_size=8, chunk_overlap=0)(documents)
     with pytest.raises(ValueError, match=r"'same'.*filename_as_id"):
         ChunkIndexer()(chunks)
+
+
+def test_hierarchical_parents_are_refused_naming_the_leaves() -> None:
+    from llama_index.core.node_parser import HierarchicalNodeParser, get_leaf_nodes
+
+    text = " ".join(f"Sentence {i} says something of its own." for i in range(300))
+    nodes = HierarchicalNodeParser.from_defaults(chunk_sizes=[512, 128])([Document(text=text)])
+    # Parents and leaves numbered together put a 2,000-character parent at index 0 beside its
+    # own first leaf at 1: RSE joined them.
+    with pytest.raises(ValueError, match=r"with children .*get_leaf_nodes\(nodes\)"):
+        ChunkIndexer()(nodes)
+    leaves = sorted(ChunkIndexer()(get_leaf_nodes(nodes)), key=lambda n: n.start_char_idx)
+    assert [n.metadata[CHUNK_INDEX_KEY] for n in leaves] == list(range(len(leaves)))

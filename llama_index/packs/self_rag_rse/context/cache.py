@@ -107,6 +107,13 @@ class ContextCache:
         persist = getattr(self.store, "persist", None)
         if persist is not None:
             path = Path(self.persist_path)
+            if isinstance(self.store, SimpleKVStore) and path.is_file():
+                # Another cache of this folder (a second component given the same path, another
+                # process) may have written since this one loaded: keep its entries too.
+                for collection, entries in _load(path).to_dict().items():
+                    mine = self.store.get_all(collection)
+                    for key in entries.keys() - mine.keys():
+                        self.store.put(key, entries[key], collection=collection)
             path.parent.mkdir(parents=True, exist_ok=True)
             # Same folder: a rename within one file system is atomic.
             temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")

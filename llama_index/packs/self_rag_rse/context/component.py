@@ -64,6 +64,13 @@ class ContextComponent(TransformComponent):
         self._check_options()
         self._cache = ContextCache.coerce(cache)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Core unpickles by calling __init__ again without cache= (IngestionPipeline's workers,
+        # num_workers > 1): keep the cache that was pickled, or its folder would get nothing.
+        super().__setstate__(state)
+        if "_cache" in (private := state.get("__pydantic_private__") or {}):
+            self._cache = private["_cache"]
+
     def _check_options(self) -> None:
         """Raise ``ValueError`` for options that do not fit together."""
 

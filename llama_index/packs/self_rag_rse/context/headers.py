@@ -317,10 +317,12 @@ def _file_title(members: list[BaseNode]) -> str:
 
 
 def _first_line(answer: str, limit: int) -> str:
-    for line in str(answer).splitlines():
-        text = " ".join(line.split()).strip(" \"'`*#")
-        if text.lower().startswith("title:"):
-            text = text[6:].strip(" \"'")
-        if text:
+    marks = " \"'`*#"  # quotes and Markdown emphasis a chat model puts around its answer
+    lines = [t for line in str(answer).splitlines() if (t := " ".join(line.split()).strip(marks))]
+    for at, text in enumerate(lines):
+        label, colon, rest = text.partition(":")
+        if colon and label.strip(marks).lower() in ("title", "summary"):  # **Title:** Herons
+            text = rest.strip(marks)
+        if text and not (text.endswith(":") and at + 1 < len(lines)):  # "Here is a summary:"
             return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + "…"
     return ""

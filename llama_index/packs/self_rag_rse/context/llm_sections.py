@@ -44,12 +44,11 @@ class SectionPartition(BaseModel):
 
 @dataclass
 class LLMSectioning:
-    """What the LLM strategy found for one document: section starts, LLM calls made, windows,
-    windows whose answer was rejected (with the reason) and repairs made to accepted ones."""
+    """What the LLM strategy found for one document: section starts, LLM calls made, windows
+    whose answer was rejected (with the reason) and repairs made to accepted ones."""
 
     starts: list[SectionStart]
     calls: int = 0
-    windows: int = 0
     rejected: list[str] = field(default_factory=list)
     repairs: list[str] = field(default_factory=list)
 
@@ -78,7 +77,6 @@ async def llm_section_starts(
         last = window_end(index, first, window_chars, max_line_chars)
         where = f"{name}, window lines {first}-{last}"
         lines = render_window(index, first, last, max_line_chars)
-        result.windows += 1
         if not lines:
             starts = [SectionStart(first, "")]
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -98,9 +98,9 @@ def _merge_bare(index: LineIndex, sections: list[Section]) -> list[Section]:
     carry: Section | None = None
     for i, section in enumerate(sections):
         if carry is not None:
-            section = _starting_at(section, carry)
+            section = replace(section, start_line=carry.start_line, start_char=carry.start_char)
             carry = None
-        if i + 1 < len(sections) and section.title and _text_lines(index, section) <= 2:
+        if i + 1 < len(sections) and section.title:
             # At most a heading and its underline (or an ATX heading): nothing to chunk.
             body = [
                 index.lines[j]
@@ -112,21 +112,6 @@ def _merge_bare(index: LineIndex, sections: list[Section]) -> list[Section]:
                 continue
         merged.append(section)
     return merged
-
-
-def _starting_at(section: Section, earlier: Section) -> Section:
-    return Section(
-        title=section.title,
-        path=section.path,
-        start_line=earlier.start_line,
-        end_line=section.end_line,
-        start_char=earlier.start_char,
-        end_char=section.end_char,
-    )
-
-
-def _text_lines(index: LineIndex, section: Section) -> int:
-    return sum(1 for j in range(section.start_line, section.end_line) if not index.is_blank(j))
 
 
 def _is_adornment(line: str) -> bool:

@@ -178,16 +178,16 @@ class NativeContext:
         """Whether the current context holds ``cells`` (per stream when split) and ``sequences``."""
         return self.ctx is not None and self.n_cells >= cells and self.n_streams >= sequences
 
-    def ensure(self, cells: int, sequences: int = 1, room: tuple[int, int] | None = None) -> bool:
+    def ensure(self, cells: int, sequences: int = 1, room: tuple[int, int] | None = None) -> None:
         """Make sure the context holds ``cells`` KV cells (per stream when split) and accepts
-        ``sequences`` sequence ids; returns True if it had to be (re)created (the KV cache is
-        then empty). A new context is made big enough for ``room`` (cells, sequences) too, and
-        for the current one, when that much memory is there; else for the bare request.
+        ``sequences`` sequence ids; a new one (its KV cache empty, :attr:`epoch` moved on) is
+        made big enough for ``room`` (cells, sequences) too, and for the current one, when that
+        much memory is there; else for the bare request.
 
         Raises :class:`ContextCreationError` when llama.cpp cannot create it.
         """
         if self.fits(cells, sequences):
-            return False
+            return
         room_cells, room_sequences = room if room is not None else (cells, sequences)
         # Grown to cover the current context too, so that calls of alternating shapes do not
         # recreate it each time; if that much memory is not there, the bare request may be.
@@ -223,7 +223,6 @@ class NativeContext:
             streams,
             "unified" if self.kv_unified else "split",
         )
-        return True
 
     def free(self) -> None:
         """Free the context and batch (the KV cache with them)."""

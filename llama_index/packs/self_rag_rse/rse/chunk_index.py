@@ -207,7 +207,8 @@ class ChunkIndexer(TransformComponent):
 
 def _refuse_documents(nodes: Sequence[BaseNode]) -> None:
     """Raise when the call holds whole documents: ChunkIndexer was put before the splitter (or
-    the splitter was left out), and would stamp nothing without a word."""
+    the splitter was left out), and would stamp nothing without a word; or chunks with
+    children, which overlap their own children."""
     if documents := [n for n in nodes if isinstance(n, Document) and n.ref_doc_id is None]:
         raise ValueError(
             f"ChunkIndexer got {len(documents)} whole document(s) (e.g. "
@@ -216,6 +217,12 @@ def _refuse_documents(nodes: Sequence[BaseNode]) -> None:
             "and RSE would find no positions. Put ChunkIndexer right after the splitter (or "
             "DocumentSectioner): IngestionPipeline(transformations=[SentenceSplitter(), "
             "ChunkIndexer(), embed_model])"
+        )
+    if parents := [n for n in nodes if n.child_nodes]:  # HierarchicalNodeParser's larger chunks
+        raise ValueError(
+            f"ChunkIndexer got {len(parents)} node(s) with children (e.g. {parents[0].node_id!r}"
+            "): a document's chunks would hold each other, and RSE would join a chunk to text "
+            "inside it. Number the leaves only: ChunkIndexer()(get_leaf_nodes(nodes))"
         )
 
 

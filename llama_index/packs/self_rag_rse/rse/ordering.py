@@ -203,7 +203,6 @@ def with_missing_slots(
     and position 0 is empty rather than given to a chunk that is not the first. Returns the
     slots and ``(slot, reason)`` for each slot inserted.
     """
-    listed = set(ids)
     where = {node_id: i for i, node_id in enumerate(ids)}
     cuts: dict[int, str] = {}  # list index b: a chunk is missing between ids[b - 1] and ids[b]
     for node in at_hand:
@@ -211,10 +210,10 @@ def with_missing_slots(
         if i is None:
             continue
         after = link(node, NodeRelationship.NEXT)
-        if after is not None and after not in listed:
+        if after is not None and after not in where:
             cuts.setdefault(i + 1, f"{node.node_id} links NEXT to {after}, which the store lacks")
         before = link(node, NodeRelationship.PREVIOUS)
-        if before is not None and before not in listed:
+        if before is not None and before not in where:
             cuts.setdefault(i, f"{node.node_id} links PREVIOUS to {before}, which the store lacks")
     slots: list[str | None] = []
     inserted: list[tuple[int, str]] = []

@@ -159,16 +159,12 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
     def extract(self, nodes: Sequence[NodeWithScore]) -> SegmentExtraction:
         """Run the extraction and return its full result (values, segments, members, holes)."""
         source = ChunkSource(self._docstore, self._vector_store)
-        extraction = drive(self._plan(_scored(nodes), source), source.run)
-        extraction.store_calls = source.calls
-        return extraction
+        return drive(self._plan(_scored(nodes), source), source.run)
 
     async def aextract(self, nodes: Sequence[NodeWithScore]) -> SegmentExtraction:
         """Async :meth:`extract`."""
         source = ChunkSource(self._docstore, self._vector_store)
-        extraction = await adrive(self._plan(_scored(nodes), source), source.arun)
-        extraction.store_calls = source.calls
-        return extraction
+        return await adrive(self._plan(_scored(nodes), source), source.arun)
 
     # -- the algorithm, written once for sync and async drivers -----------------------------
     def _plan(
@@ -202,6 +198,7 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
             budget.fit(extraction, self._spares(hits, values_of, layouts) if hits else iter(()))
         if self.output == "segments":
             extraction.segments = drop_given_text(extraction.segments)
+        extraction.store_calls = source.calls  # every read is answered by now
         return self._finish(extraction, nodes, hits, budget)
 
     def _settle(

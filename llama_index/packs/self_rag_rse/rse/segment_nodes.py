@@ -22,7 +22,7 @@ from llama_index.packs.self_rag_rse.context.segment_header import add_segment_he
 from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_INDEX_KEY
 from llama_index.packs.self_rag_rse.rse.node_fields import char_span, same_value
 from llama_index.packs.self_rag_rse.rse.ordering import linked
-from llama_index.packs.self_rag_rse.rse.stitching import find_breaks, stitch_chunks
+from llama_index.packs.self_rag_rse.rse.stitching import stitch_with_breaks
 from llama_index.packs.self_rag_rse.rse.types import Segment
 
 #: Metadata keys written on segment nodes (hidden from embedding and LLM text):
@@ -62,10 +62,8 @@ def segment_nodes(segment: Segment, headers: bool = True) -> list[TextNode]:
     spans = [char_span(m) for m in members]
     links = [False] + [linked(a, b) for a, b in itertools.pairwise(members)]
     distrust = [m.node_id in segment.distrusted for m in members]
-    pieces = stitch_chunks(texts, spans, links, distrust)
-    breaks = (
-        [b.reason for b in find_breaks(texts, spans, links, distrust)] if len(pieces) > 1 else []
-    )
+    pieces, found = stitch_with_breaks(texts, spans, links, distrust)
+    breaks = [b.reason for b in found]
     shared = dict(members[0].metadata)
     for member in members[1:]:
         shared = {k: v for k, v in shared.items() if same_value(member.metadata.get(k), v)}

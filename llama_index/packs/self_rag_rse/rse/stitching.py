@@ -84,7 +84,7 @@ def stitch_chunks(
     Returns one :class:`StitchedText` per run of chunks with no hole between them (a single
     element when every boundary joined); :func:`find_breaks` says why a boundary did not.
     """
-    return _stitch(texts, spans, linked, distrust)[0]
+    return stitch_with_breaks(texts, spans, linked, distrust)[0]
 
 
 def find_breaks(
@@ -99,7 +99,7 @@ def find_breaks(
     the offsets leave a gap wider than a splitter strips, or the offsets cannot be trusted and
     the chunks are not linked as neighbours.
     """
-    return _stitch(texts, spans, linked, distrust)[1]
+    return stitch_with_breaks(texts, spans, linked, distrust)[1]
 
 
 def suspect_offsets(texts: Sequence[str], spans: Sequence[Span]) -> list[bool]:
@@ -144,12 +144,14 @@ def _usable(text: str, span: Span) -> bool:
     return start is not None and end is not None and end - start == len(text)
 
 
-def _stitch(
+def stitch_with_breaks(
     texts: Sequence[str],
     spans: Sequence[Span] | None,
     linked: Sequence[bool] | None,
     distrust: Sequence[bool] | None,
 ) -> tuple[list[StitchedText], list[Break]]:
+    """:func:`stitch_chunks` and :func:`find_breaks` in one pass: the pieces, and a break
+    between every two of them."""
     if not texts:
         return [StitchedText("", None, None, 0, 0, 0)], []
     spans = [(None, None)] * len(texts) if spans is None else list(spans)

@@ -100,11 +100,9 @@ class Followups:
                     bounded.append(group)
                     reasons.append(f"{group}: {answer.why}")
                     continue
-                top = completion.positions[i].top
-                if top is None:
-                    completion.positions[i].top = top = {}
+                slot = completion.positions[i]
                 # All of a group's values from one source: ratios are what the scores read.
-                top.update(answer.values)
+                slot.top = {**(slot.top or {}), **answer.values}
                 refetched.append(group)
             if refetched:
                 details["refetched"] = refetched

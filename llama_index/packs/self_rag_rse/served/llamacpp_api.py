@@ -58,8 +58,7 @@ class LlamaCppAPI:
 
     def __init__(self, client: JSONClient, request_options: Mapping[str, Any] | None = None):
         self.client = client
-        self.request_options = dict(request_options or {})
-        self.sampling = greedy_options(LLAMA_CPP, self.request_options)
+        self.sampling = greedy_options(LLAMA_CPP, request_options or {})
         self._special_ids: frozenset[int] = frozenset()
 
     async def connect(self) -> ServerInfo:

@@ -244,7 +244,7 @@ class OpenAIAPI:
         if self._native is not None:
             return await self._native.refetch(info, prompt, generated, top_n)
         n = top_n if top_n is not None else self._most(info) or 1
-        got = await self._rerun(info, prompt, len(generated) + 1, n)
+        got = await self.complete(info, prompt, len(generated) + 1, n)
         position = got.positions[len(generated)] if len(got.positions) > len(generated) else None
         if got.keys[: len(generated)] != list(generated) or position is None:
             url = self.client.url("/completions")
@@ -275,7 +275,7 @@ class OpenAIAPI:
         # Text keys: continuing the prompt by the generated text would re-tokenize it (llama.cpp
         # puts a space before text that follows a special token), so the server regenerates the
         # answer up to the position instead; greedy decoding must give the same tokens again.
-        got = await self._rerun(info, prompt, position + 1, most)
+        got = await self.complete(info, prompt, position + 1, most)
         if got.keys[: position + 1] != completion.keys[: position + 1]:
             return Refetched(None, 1, "the server regenerated other tokens")
         again = got.positions[position]
@@ -289,10 +289,6 @@ class OpenAIAPI:
         if any(m not in top for m in members):
             return Refetched(None, 1, f"the group is not in the top {len(top)}")
         return Refetched({m: top[m] for m in members}, 1)
-
-    async def _rerun(self, info: ServerInfo, prompt: Any, max_tokens: int, n: int) -> Completion:
-        body = self._body(info, prompt, max_tokens, n)
-        return await self.client.post_parsed("/completions", body, parse_openai)
 
     async def _lifted(
         self,

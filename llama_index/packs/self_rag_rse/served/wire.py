@@ -231,10 +231,7 @@ def parse_native(body: Any) -> Completion:
         positions,
         text if isinstance(text, str) else "",
         stopped=body.get("stop_type") == "eos",
-        extra={
-            "tokens_evaluated": body.get("tokens_evaluated"),
-            "tokens_predicted": predicted if isinstance(predicted, int) else None,
-        },
+        extra={"tokens_predicted": predicted if isinstance(predicted, int) else None},
         finished=body.get("stop") is not False,  # a streamed event says whether it is the last
     )
 

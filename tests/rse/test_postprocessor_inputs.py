@@ -349,3 +349,26 @@ def test_a_docstore_that_holds_the_documents_not_their_chunks_says_so(caplog):
     with caplog.at_level(logging.WARNING):
         rse.postprocess_nodes(scored((nodes[1], 0.9), (nodes[4], 0.8)))
     assert "holds its documents, not their chunks: pass vector_store= or index=" in caplog.text
+
+
+def test_hits_given_sentence_windows_before_rse_are_warned_about():
+    from llama_index.core.node_parser import SentenceWindowNodeParser
+    from llama_index.core.postprocessor import MetadataReplacementPostProcessor
+    from llama_index.core.storage.docstore import SimpleDocumentStore
+
+    text = " ".join(f"Fact {i} is that item {i} weighs {i * 3} grams." for i in range(40))
+    parser = SentenceWindowNodeParser.from_defaults(window_size=2)
+    nodes = ChunkIndexer()(parser.get_nodes_from_documents([Document(text=text, id_="d")]))
+    docstore = SimpleDocumentStore()
+    docstore.add_documents(nodes)
+    hits = [NodeWithScore(node=nodes[i].model_copy(deep=True), score=0.9) for i in (10, 12)]
+    rse = RelevantSegmentPostprocessor(docstore=docstore)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rse.postprocess_nodes(hits, query_str="item 10")  # the sentences themselves: silent
+    windows = MetadataReplacementPostProcessor(target_metadata_key="window")
+    # The windows of sentences 10 and 12 joined to sentence 11 read back between them gave
+    # "Fact 8 ... Fact 12.\nFact 11.\nFact 10 ... Fact 14." without a word.
+    with pytest.warns(UserWarning, match="2 hit.* more text than their offsets.*first"):
+        (segment,) = rse.postprocess_nodes(windows.postprocess_nodes(hits), query_str="item 10")
+    assert segment.node.get_content().count("Fact 11 ") > 1  # what the warning is about

@@ -471,12 +471,8 @@ def _distinct_cells(sequences: list[list[int]]) -> int:
     ordered = sorted(sequences)
     cells = sum(len(s) for s in ordered)
     for previous, current in pairwise(ordered):
-        shared = 0
-        for a, b in zip(previous, current, strict=False):
-            if a != b:
-                break
-            shared += 1
-        cells -= shared
+        same = [*(a == b for a, b in zip(previous, current, strict=False)), False]
+        cells -= same.index(False)  # the length of their common prefix
     return cells + MIN_SHARED_TOKENS * len(sequences)
 
 

@@ -96,6 +96,12 @@ def char_span(node: BaseNode) -> tuple[int | None, int | None]:
     )
 
 
+def wider_than_span(node: BaseNode) -> bool:
+    """Whether ``node`` holds more text than its offsets span (text put in after splitting)."""
+    start, end = char_span(node)
+    return start is not None and end is not None and len(node.get_content()) > end - start
+
+
 def _offset(value: Any) -> int | None:
     return None if value is None or isinstance(value, str) else _as_index(value)
 

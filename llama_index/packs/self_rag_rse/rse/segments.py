@@ -346,9 +346,9 @@ class _QueryState:
         return best[starts], best_len[starts]
 
 
-def _upper_bounds(values: FloatArray, usable: NDArray[np.bool_], width: int) -> FloatArray | None:
+def _upper_bounds(values: FloatArray, usable: NDArray[np.bool_], width: int) -> FloatArray:
     """For every start, an upper bound on the left-to-right sum of any segment of at most
-    ``width`` chunks starting there and ending on a usable chunk; ``None`` on overflow.
+    ``width`` chunks starting there and ending on a usable chunk (finite: |values| <= 1e100).
 
     It is a prefix-sum difference maximised with a sliding-window maximum (O(n log width)), plus
     a tolerance covering both its own rounding and that of the exact sum. Walls are ignored,
@@ -376,8 +376,6 @@ def _upper_bounds(values: FloatArray, usable: NDArray[np.bool_], width: int) -> 
     largest_prefix = float(np.abs(prefix).max())
     largest_value = float(np.abs(values).max()) if n else 0.0
     tolerance = 2 * unit * ((width + 2) * largest_prefix + width * width * largest_value)
-    if not np.isfinite(tolerance):
-        return None
     return ahead - prefix[:-1] + tolerance
 
 

@@ -20,6 +20,7 @@ from llama_index.packs.self_rag_rse.self_rag.backend import (
     ParagraphResult,
     Scored,
 )
+from llama_index.packs.self_rag_rse.self_rag.prompted_critic import _judgement
 from llama_index.packs.self_rag_rse.self_rag.prompts import DEFAULT_PROMPTS
 
 QUERY = "What is the capital of France?"
@@ -142,7 +143,7 @@ def test_labels_after_a_whitespace_token_are_read_after_it(tmp_path: Path) -> No
         utility = result.scores["utility"]
         assert isinstance(utility, Scored) and utility.method == "logprobs"
         values = prompt_values(QUERY, None, answer.text)
-        prompt = backend.tokenizer.fitted(PROMPTS.utility, dict(values), 2) + lead
+        prompt = backend.tokenizer.fitted(PROMPTS.utility, dict(values), 2)[0] + lead
     llm.close()
     raw = llama_cpp.Llama(str(path), type_k=0, type_v=0, logits_all=True, **options)
     raw.eval(prompt)
@@ -181,6 +182,11 @@ def test_a_paragraph_longer_than_the_context_is_cut_from_its_end_with_a_warning(
         for result in results:
             assert isinstance(result.answer, Generated)
             assert not any(isinstance(s, Exception) for s in result.scores.values())
+        # How much was left out is in the result, as the reflection critics record it.
+        assert results[0].answer.passage_cut > 100 and results[1].answer.passage_cut == 0
+        rows = [_judgement(result).details for result in results]  # the paragraphs' rows
+        assert rows[0]["passage_cut"] == results[0].answer.passage_cut
+        assert "passage_cut" not in rows[1]
         # A query that leaves no room even without the paragraph is the query's problem: named.
         with pytest.raises(
             ValueError, match="n_ctx=256 even without the paragraph: shorten the query"

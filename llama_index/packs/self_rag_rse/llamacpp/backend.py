@@ -254,7 +254,8 @@ class LlamaCppBackend(CriticBackend):
         self, template: BasePromptTemplate, values: Sequence[Values]
     ) -> list[Request]:
         n = self.max_new_tokens
-        return [Request(self.tokenizer.fitted(template, dict(v), n), n) for v in values]
+        fits = [self.tokenizer.fitted(template, dict(v), n) for v in values]
+        return [Request(tokens, n, truncated=cut) for tokens, cut in fits]
 
     def _label_requests(
         self, scale: LabelScale, template: BasePromptTemplate, values: Sequence[Values]
@@ -262,14 +263,13 @@ class LlamaCppBackend(CriticBackend):
         lead, groups = self.tokenizer.label_ids(scale)
         track = [t for group in groups for t in group]
         fit = self.tokenizer.fitted
-        return [Request(fit(template, dict(v), 1 + len(lead)) + lead, 1, track) for v in values]
+        return [Request(fit(template, dict(v), 1 + len(lead))[0] + lead, 1, track) for v in values]
 
     def _generated(self, out: SequenceOutput) -> Generated | Exception:
         if out.error is not None:
             return RuntimeError(out.error)
-        return Generated(
-            self._text(out.tokens), sequence_score(out.token_logprobs), len(out.tokens)
-        )
+        score = sequence_score(out.token_logprobs)
+        return Generated(self._text(out.tokens), score, len(out.tokens), out.truncated)
 
     def _text(self, tokens: Sequence[int]) -> str:
         kept = [t for t in tokens if not self.decoder.is_eog(t)]

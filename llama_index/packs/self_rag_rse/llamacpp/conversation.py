@@ -63,17 +63,13 @@ KV_PADDING = 256
 
 @dataclass(frozen=True)
 class ConversationSettings:
-    """What a conversation needs to know of the decoder that holds it.
-
-    ``n_ctx`` positions per sequence, ``n_seq_max`` sequences at once, ``n_batch`` tokens per
-    ``llama_decode``, whether prefixes are shared (see
-    :class:`~llama_index.packs.self_rag_rse.llamacpp.decoder.BatchedDecoder`), and
+    """What a conversation needs to know of the decoder that holds it, besides its native context
+    (which has ``n_seq_max`` and ``n_batch``): ``n_ctx`` positions per sequence, whether prefixes
+    are shared (see :class:`~llama_index.packs.self_rag_rse.llamacpp.decoder.BatchedDecoder`), and
     ``check_open``, which raises once the model was closed.
     """
 
     n_ctx: int
-    n_seq_max: int
-    n_batch: int
     share_prefixes: bool
     check_open: Callable[[], None]
 
@@ -110,7 +106,7 @@ class Conversation:
         # is ``_epoch`` (a carried-over cache that was emptied since is forgotten by _sync).
         self._held: dict[int, Held] = dict(carried[0]) if carried else {}
         self._epoch = carried[1] if carried else -1
-        self._width = settings.n_seq_max  # prompts per group; halved when no context fits
+        self._width = native.n_seq_max  # prompts per group; halved when no context fits
         self._closed = False
 
     @property
@@ -242,7 +238,7 @@ class Conversation:
             self._forget()  # nothing held is of use, and it takes room
         tokens = [prompts[r].tokens for r in group]
         generating = {i for i, r in enumerate(group) if prompts[r].max_new > 1}
-        capacity = settings.n_seq_max
+        capacity = native.n_seq_max
         while True:
             group_plan = plan(tokens, self._held, share=settings.share_prefixes)
             n_fresh = len(group) - len(group_plan.claimed)
@@ -380,7 +376,7 @@ class Conversation:
         """
         native = self._native
         stats = native.stats
-        n_batch = self._settings.n_batch
+        n_batch = native.n_batch
         while True:
             live = sorted(
                 (s for s in slots if s.finish_reason is None and not (prefill and s.tokens)),

@@ -151,8 +151,6 @@ class BatchedDecoder:
         self.n_vocab: int = self._native.n_vocab
         self._settings = ConversationSettings(
             n_ctx=self.n_ctx,
-            n_seq_max=n_seq_max,
-            n_batch=n_batch,
             share_prefixes=share_prefixes,
             check_open=self.check_open,
         )

@@ -121,8 +121,9 @@ class PromptTokenizer:
 
     def fitted(
         self, template: BasePromptTemplate, values: dict[str, Any], max_new: int
-    ) -> list[int]:
-        """Prompt tokens, the paragraph shortened (from its end) until prompt + answer fit."""
+    ) -> tuple[list[int], int]:
+        """Prompt tokens, the paragraph shortened (from its end) until prompt + answer fit, and
+        how many of the paragraph's tokens that left out."""
         tokens = self.tokens(template, values)
         limit = self.n_ctx - max_new
         paragraph = values.get("context_str")
@@ -132,7 +133,7 @@ class PromptTokenizer:
                     f"prompt has {len(tokens)} tokens, {max_new} more to generate, but n_ctx is "
                     f"{self.n_ctx}: shorten the query, lower max_new_tokens or raise n_ctx"
                 )
-            return tokens
+            return tokens, 0
         own = self.llama.tokenize(paragraph.encode("utf-8"), add_bos=False, special=False)
         keep = len(own) - (len(tokens) - limit)
         for margin in (0, 4, 16, 64):
@@ -145,7 +146,7 @@ class PromptTokenizer:
                 )
                 logger.warning(message)
                 warnings.warn(message, stacklevel=6)
-                return tokens
+                return tokens, len(own) - max(keep - margin, 0)
         raise ValueError(
             f"prompt does not fit n_ctx={self.n_ctx} even without the paragraph: "
             "shorten the query or raise n_ctx"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,8 +218,3 @@ def direct_reader(store: Any, asynchronous: bool = False) -> Callable[[list[str]
         return list(parse(await bound(ids=node_ids)).nodes)
 
     return aread if asynchronous else lambda node_ids: list(parse(bound(ids=node_ids)).nodes)
-
-
-def nodes_by_id(nodes: Sequence[BaseNode]) -> dict[str, BaseNode]:
-    """Index nodes by id (the last one wins on duplicates)."""
-    return {node.node_id: node for node in nodes}

@@ -201,9 +201,8 @@ class ContextBudget:
             layout = layouts[region.doc_id]
             nodes = [layout.held.get(p) for p in region.positions]
             first, step = np.zeros((2, len(nodes)), dtype=np.int64)
-            ends: list[int | None] = []
+            ends: list[int | None] = [None] * len(nodes)
             for i, node in enumerate(nodes):
-                ends.append(None)
                 if node is None:
                     continue
                 text = node.get_content()

@@ -17,7 +17,6 @@ from collections.abc import Iterable, Sequence
 from llama_index.core.schema import BaseNode, NodeRelationship
 
 from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_VERSION_KEY
-from llama_index.packs.self_rag_rse.rse.chunk_sources import nodes_by_id
 from llama_index.packs.self_rag_rse.rse.node_fields import char_span, link, node_version
 from llama_index.packs.self_rag_rse.rse.stitching import find_breaks, suspect_offsets
 
@@ -25,7 +24,7 @@ from llama_index.packs.self_rag_rse.rse.stitching import find_breaks, suspect_of
 def group_by_document(nodes: Sequence[BaseNode]) -> dict[str, list[BaseNode]]:
     """Nodes grouped by source document (``ref_doc_id``), duplicates and orphans dropped."""
     groups: dict[str, list[BaseNode]] = {}
-    for node in nodes_by_id(nodes).values():
+    for node in {node.node_id: node for node in nodes}.values():  # repeated ids: the last wins
         if node.ref_doc_id is not None:
             groups.setdefault(node.ref_doc_id, []).append(node)
     return groups

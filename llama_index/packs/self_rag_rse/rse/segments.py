@@ -195,13 +195,12 @@ class _QueryState:
         self.exact = np.full(padded, -np.inf)
         self.exact_len = np.zeros(padded, dtype=np.int64)
         self.bound = np.full(padded, -np.inf)
-        bounds = _upper_bounds(values, usable, width) if count * 16 > n else None
-        self.bounded = bounds is not None
-        if bounds is None:
+        self.bounded = count * 16 > n
+        if self.bounded:
+            self.bound[:count] = _upper_bounds(values, usable, width)[starts]
+        else:
             # Few starts: computing them all is cheaper than bounding.
             self.exact[:count], self.exact_len[:count] = self._scan(self.starts[:count])
-        else:
-            self.bound[:count] = bounds[starts]
         # Block views of the per-start arrays (they share memory).
         self.exact_2d = self.exact.reshape(-1, _BLOCK)
         self.bound_2d = self.bound.reshape(-1, _BLOCK)

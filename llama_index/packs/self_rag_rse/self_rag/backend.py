@@ -53,11 +53,13 @@ class Scored:
 
 @dataclass
 class Generated:
-    """One generated answer; ``seq_score`` is exp(mean token log-prob) when log-probs exist."""
+    """One generated answer; ``seq_score`` is exp(mean token log-prob) when log-probs exist;
+    ``passage_cut``: the paragraph's tokens left out to fit the context."""
 
     text: str
     seq_score: float | None = None
     generated_tokens: int | None = None
+    passage_cut: int = 0
 
 
 @dataclass(frozen=True)

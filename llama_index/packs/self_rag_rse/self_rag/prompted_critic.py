@@ -272,6 +272,8 @@ def _judgement(item: ParagraphResult) -> ParagraphJudgement:
         details["generated_tokens"] = sum(c for c in counts if c is not None)
     if item.answer.generated_tokens is not None:
         details["answer_tokens"] = item.answer.generated_tokens
+    if item.answer.passage_cut:  # as the reflection critics record it
+        details["passage_cut"] = item.answer.passage_cut
     return ParagraphJudgement(
         answer=item.answer.text,
         relevance=scores["relevance"].score,

@@ -29,7 +29,7 @@ class ServerInfo:
     ``keys`` maps each Self-RAG special string to the key its token has in this API's
     log-probs (``token_id:<id>`` or the string itself); ``verified`` says whether the server
     confirmed them (an OpenAI-style server without ``echo`` cannot). ``server`` is the kind of
-    server (:data:`~.greedy.KINDS`) and ``sampling`` the fields every completion request
+    server (:func:`~.greedy.server_kind`) and ``sampling`` the fields every completion request
     carries to decode greedily there (``request_options`` included)."""
 
     api: str

@@ -31,7 +31,6 @@ LLAMA_CPP = "llama.cpp"
 LLAMA_CPP_PYTHON = "llama-cpp-python"
 VLLM = "vllm"
 OPENAI = "openai"
-KINDS = (LLAMA_CPP, LLAMA_CPP_PYTHON, VLLM, OPENAI)
 
 #: ``/v1/models`` ``owned_by`` of each server that says who it is.
 _OWNERS = {"llamacpp": LLAMA_CPP, "vllm": VLLM, "me": LLAMA_CPP_PYTHON}

@@ -106,3 +106,12 @@ def test_no_matplotlib_still_writes_the_report(result, tmp_path, monkeypatch):
     paths = write_report(result, tmp_path)
     assert "chart" not in paths
     assert "No chart: matplotlib is not installed" in paths["report"].read_text()
+
+
+def test_a_lone_surrogate_in_a_question_is_written_as_its_escape(result, tmp_path):
+    # A --qa line holding an escaped lone surrogate ("\udc80") reaches the records as one: the
+    # strict UTF-8 write failed on it after the whole run and left records.json empty.
+    result.records[3].question = "q2 \udc80"  # a failed item: its question is in the report
+    paths = write_report(result, tmp_path, plot=False)
+    assert json.loads(paths["records"].read_text())[3]["question"] == "q2 \udc80"
+    assert "q2 \\udc80" in paths["report"].read_text(encoding="utf-8")

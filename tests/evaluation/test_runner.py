@@ -394,3 +394,9 @@ def test_one_question_asked_of_two_documents_is_scored_against_each(fixed_engine
         recall = [(r.document, r.metrics["evidence_recall"]) for r in result.records]
         assert recall == [("a.txt", 1.0), ("b.txt", 0.0)]
     assert "- Questions: 2" in write_report(result, tmp_path, plot=False)["report"].read_text()
+
+
+def test_a_lone_surrogate_in_a_cache_key_is_kept_as_its_escape(tmp_path):
+    path = tmp_path / "cache.jsonl"
+    ResultCache(path).put("judgement", ("q \udc80",), {"score": 0.5})  # a strict write failed
+    assert ResultCache(path).get("judgement", ("q \udc80",)) == {"score": 0.5}

@@ -108,7 +108,7 @@ def write_report(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     records = json.dumps(result.to_json(), indent=2, ensure_ascii=False)
-    (out / "records.json").write_text(records + "\n", encoding="utf-8")
+    (out / "records.json").write_text(records + "\n", "utf-8", "backslashreplace")
     chart = write_chart(result, out / "report.png") if plot else None
     paths = {"records": out / "records.json", **({"chart": chart} if chart else {})}
     settings = result.settings
@@ -143,7 +143,7 @@ def write_report(
     parts.append(
         "Metrics: docs/evaluate.md of llama-index-packs-self-rag-rse. Records: `records.json`."
     )
-    (out / "report.md").write_text("\n".join([*parts, ""]), encoding="utf-8")
+    (out / "report.md").write_text("\n".join([*parts, ""]), "utf-8", "backslashreplace")
     return {**paths, "report": out / "report.md"}
 
 

@@ -236,7 +236,7 @@ class ResultCache:
         for number, raw in enumerate(data.split(b"\n"), start=1):
             try:  # pydantic's ValidationError is a ValueError
                 if raw.strip():
-                    line = _Line.model_validate_json(raw)
+                    line = _Line.model_validate(json.loads(raw))  # it reads "\udc80" too
                     SHAPES.get(line.kind, _Shape).model_validate(line.value)
                     self._items[(line.kind, tuple(line.key))] = line.value
             except ValueError:
@@ -260,7 +260,7 @@ class ResultCache:
         line = json.dumps({"kind": kind, "key": list(key), "value": value}, ensure_ascii=False)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a", encoding="utf-8") as out:
+            with self.path.open("a", encoding="utf-8", errors="backslashreplace") as out:
                 out.write(("\n" if self._newline_first else "") + line + "\n")
             self._newline_first = False
 

@@ -113,31 +113,31 @@ def test_a_url_with_no_usable_port_is_refused_at_construction(url: str) -> None:
         SelfRAGQueryEngine(llm=llm, retriever=FixedRetriever(), critic="reflection")
 
 
-LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
-
-
+@pytest.mark.parametrize("status", [503, 502, 429])
 @pytest.mark.parametrize("api", ["auto", "openai"])
-def test_a_server_still_loading_its_model_is_not_taken_for_another_server(api: str) -> None:
-    # llama-server answers HTTP 503 to every path while it loads its model. That used to read
-    # as "not llama.cpp": the critic settled on the text API, unverified, for good, and an
-    # engine with critic="auto" quietly judged with prompts instead of reflection tokens.
+def test_a_server_not_ready_yet_is_not_taken_for_another_server(api: str, status: int) -> None:
+    # llama-server answers HTTP 503 to every path while it loads its model, a proxy before a
+    # restarting server 502, a rate limiter 429. Each used to read as "not llama.cpp" or "no
+    # echo": the critic settled on the text API, unverified, for good, and an engine with
+    # critic="auto" quietly judged with prompts instead of reflection tokens.
     from llama_index.packs.self_rag_rse.served.http import ServerNotReady
 
-    message = r"answered HTTP 503 \(not ready: loading its model, or overloaded\).*Loading model"
+    body = {"error": {"code": status, "message": "Loading model"}}
+    message = rf"answered HTTP {status} \(not ready: loading, restarting or overloaded\).*Loading"
     with (
-        StubServer(lambda method, path, body: Reply.json(LOADING, status=503)) as stub,
+        StubServer(lambda method, path, _: Reply.json(body, status=status)) as stub,
         ServedReflectionCritic(stub.url, api=api, timeout=5) as critic,  # type: ignore[arg-type]
     ):
         with pytest.raises(ServerNotReady, match=message) as caught:
             critic.connect()
-        assert isinstance(caught.value, ServerHTTPError) and caught.value.status == 503
+        assert isinstance(caught.value, ServerHTTPError) and caught.value.status == status
         assert critic.info is None  # nothing learned: the next try asks again
     from llama_index.llms.openai_like import OpenAILike
     from retrievers import FixedRetriever
 
     from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
 
-    with StubServer(lambda method, path, body: Reply.json(LOADING, status=503)) as stub:
+    with StubServer(lambda method, path, _: Reply.json(body, status=status)) as stub:
         llm = OpenAILike(
             api_base=f"{stub.url}/v1", model="m", is_chat_model=False, api_key="none", timeout=5
         )

@@ -312,3 +312,30 @@ def test_without_max_logprobs_a_text_keyed_vllm_is_bounded_without_follow_ups() 
     with vllm_stub(followups) as stub, critic(stub.url) as c:
         (judgement,) = c.judge("What is the capital of France?", ["Paris is in France."])
     assert followups == [] and judgement.details["bounded"] == ["relevance", "support"]
+
+
+@pytest.mark.parametrize("status", [401, 429])
+def test_a_query_whose_every_paragraph_failed_raises_instead_of_answering(status: int) -> None:
+    # A wrong key or a rate limit fails every paragraph's request. The query used to answer
+    # from no evidence, with the paragraphs it never judged attached as its sources.
+    from retrievers import FixedRetriever
+
+    from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
+    from llama_index.packs.self_rag_rse.served import ServerHTTPError
+
+    refusal = {"error": {"message": "Rate limit reached", "code": status}}
+
+    def handle(method: str, path: str, body: Any) -> Reply:
+        if path == "/v1/completions" and not body.get("echo") and "<paragraph>" in body["prompt"]:
+            return Reply.json(refusal, status=status)
+        return handler(method, path, body)
+
+    with openai_stub(["<s>", *SELF_RAG_SPECIAL_TOKENS]) as stub:
+        handler, stub.handler = stub.handler, handle
+        with critic(stub.url) as c:
+            engine = SelfRAGQueryEngine(
+                retriever=FixedRetriever(), critic=c, mode="always_retrieve"
+            )
+            with pytest.raises(ServerHTTPError, match=f"HTTP {status}.*Rate limit") as caught:
+                engine.query("What is the capital of France?")
+            assert caught.value.status == status

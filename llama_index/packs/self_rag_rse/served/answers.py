@@ -214,7 +214,8 @@ def fit_passage(
 def each_or_error(results: Sequence[T | BaseException], failed: Callable[[int, str], T]) -> list[T]:
     """The results of concurrent requests, one per paragraph: a request that failed on its own
     becomes ``failed(index, error)`` and is logged; a failure that says no answer of this server can
-    be trusted (not greedy, reflection tokens unidentifiable) or an interrupt is raised."""
+    be trusted (not greedy, reflection tokens unidentifiable), an interrupt, or the first failure
+    when every request failed (nothing was judged: a rate limit, a wrong key or model) is raised."""
     out: list[T] = []
     for i, result in enumerate(results):
         if isinstance(result, BaseException):
@@ -225,4 +226,7 @@ def each_or_error(results: Sequence[T | BaseException], failed: Callable[[int, s
             logger.warning("served critic: a paragraph failed: %s", result)
             result = failed(i, f"{type(result).__name__}: {result}")
         out.append(result)
+    first = results[0] if results else None
+    if isinstance(first, Exception) and all(isinstance(r, Exception) for r in results):
+        raise first
     return out

@@ -60,7 +60,8 @@ class ServerHTTPError(ServerError):
 
 
 class ServerNotReady(ServerHTTPError):
-    """HTTP 503: the server is up but not ready (llama-server while it loads its model)."""
+    """HTTP 429, 502, 503 or 504: the server, or a proxy before it, cannot answer yet
+    (llama-server while it loads its model, a server restarting, rate limits): try again."""
 
 
 class ServerRedirect(ServerError):
@@ -283,8 +284,8 @@ class JSONClient:
             raise self._redirect(method, path, response)
         if (status := response.status_code) >= 400:
             error, wait = ServerHTTPError, ""
-            if status == 503:
-                error, wait = ServerNotReady, " (not ready: loading its model, or overloaded)"
+            if status in (429, 502, 503, 504):
+                error, wait = ServerNotReady, " (not ready: loading, restarting or overloaded)"
             message = f"{method} {url} answered HTTP {status}{wait}: {_clip(text)}"
             raise error(message, url, status, text)
 

@@ -53,9 +53,8 @@ from llama_index.packs.self_rag_rse.served.greedy import (
 from llama_index.packs.self_rag_rse.served.http import (
     JSONClient,
     MalformedResponse,
-    ServerError,
+    ServerHTTPError,
     ServerNotReady,
-    ServerRedirect,
 )
 from llama_index.packs.self_rag_rse.served.llamacpp_api import LlamaCppAPI
 from llama_index.packs.self_rag_rse.served.wire import (
@@ -153,9 +152,9 @@ class OpenAIAPI:
     async def _kind(self) -> str:
         try:
             models = await self.client.get("/models")
-        except (ServerRedirect, ServerNotReady):
-            raise  # a wrong URL (every request redirected) or a server loading its model
-        except ServerError as exc:
+        except ServerNotReady:
+            raise  # loading its model, restarting, or a proxy's 502: ask again, nothing cached
+        except (ServerHTTPError, MalformedResponse) as exc:
             logger.info("%s did not answer (%s): a generic server", self.client.url("/models"), exc)
             return OPENAI
         kind = server_kind(models)
@@ -176,9 +175,9 @@ class OpenAIAPI:
             if not (isinstance(text, str) and text.startswith(probe)):
                 # llama.cpp's /v1/completions ignores echo and just completes.
                 raise MalformedBody("the answer does not echo the prompt")
-        except (ServerRedirect, ServerNotReady):
+        except ServerNotReady:
             raise
-        except (ServerError, MalformedBody) as exc:
+        except (ServerHTTPError, MalformedResponse, MalformedBody) as exc:
             logger.info(
                 "%s cannot echo prompt tokens (%s): the reflection tokens are assumed to decode to "
                 "their own text",

@@ -9,6 +9,7 @@ instead of scored wrongly, and each kind of server gets the fields that make it 
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -339,3 +340,54 @@ def test_a_query_whose_every_paragraph_failed_raises_instead_of_answering(status
             with pytest.raises(ServerHTTPError, match=f"HTTP {status}.*Rate limit") as caught:
                 engine.query("What is the capital of France?")
             assert caught.value.status == status
+
+
+#: llama-cpp-python's server names each token by its own bytes decoded with errors="ignore":
+#: the two byte tokens of "é" come back as "" and "" (its text and offsets keep the character).
+CAFE = ["[Relevant]", " caf", "", "", " au", " lait", "[Fully supported]", "[Utility:5]"]
+CAFE_TEXT = ["[Relevant]", " caf", "", "é", " au", " lait", "[Fully supported]", "[Utility:5]"]
+
+
+def _llama_cpp_python_stub() -> StubServer:
+    tops = [{t: -0.05, "x": -4.0} for t in CAFE]
+    tops[0][IRRELEVANT] = -3.0
+
+    def handle(method: str, path: str, body: Any) -> Reply:
+        if path == "/v1/models":
+            return Reply.json({"data": [{"id": "m", "object": "model", "owned_by": "me"}]})
+        if path != "/v1/completions":
+            return Reply(404, b"{}")
+        if body.get("echo"):
+            echo = ["<s>", *SELF_RAG_SPECIAL_TOKENS]
+            return Reply.json(legacy(echo, [{} for _ in echo], text=body["prompt"] + " x"))
+        offsets = [len(body["prompt"]) + len("".join(CAFE_TEXT[:i])) for i in range(len(CAFE))]
+        if not body.get("stream"):
+            logprobs = {"tokens": CAFE, "token_logprobs": [-0.05] * len(CAFE)}
+            logprobs |= {"top_logprobs": tops, "text_offset": offsets}
+            choice = {"text": "".join(CAFE_TEXT), "finish_reason": "stop", "logprobs": logprobs}
+            return Reply.json({"choices": [choice]})
+        events = b""
+        for i, token in enumerate(CAFE):  # streamed: each token's own text, "" for both bytes
+            logprobs = {"tokens": [token], "token_logprobs": [-0.05], "top_logprobs": [tops[i]]}
+            logprobs["text_offset"] = [offsets[i]]
+            finish = "stop" if i == len(CAFE) - 1 else None
+            choice = {"text": token, "finish_reason": finish, "logprobs": logprobs}
+            events += b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n"
+        return Reply(
+            200, events + b"data: [DONE]\n\n", headers={"Content-Type": "text/event-stream"}
+        )
+
+    return StubServer(handle)
+
+
+def test_a_character_split_across_tokens_keeps_its_text() -> None:
+    # The answer used to join the tokens' names: "caf au lait", the "é" lost, judged and
+    # streamed. Now the text is cut from the server's at its offsets; a stream that lost text
+    # holds back from there and takes the rest from the non-streamed answer.
+    with _llama_cpp_python_stub() as stub, ServedReflectionCritic(stub.url, timeout=10) as c:
+        (judgement,) = c.judge("What drink?", ["Café au lait is coffee with milk."])
+        assert c.info is not None and c.info.server == "llama-cpp-python"
+        assert judgement.answer == "café au lait"
+        assert c.generate("What drink?") == "café au lait"
+        pieces = list(c.stream_generate("What drink?"))
+        assert "".join(pieces) == "café au lait" and pieces[0] == "caf"

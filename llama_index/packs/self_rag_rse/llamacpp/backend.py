@@ -167,8 +167,6 @@ class LlamaCppBackend(CriticBackend):
         return await self._worker.run(self._conversing, func, *args)
 
     def _conversing(self, func: Callable[..., T], /, *args: Any) -> T:
-        # llama-cpp-python's tokenize on a closed Llama touches freed memory: check first.
-        self.decoder.check_open()
         with self.decoder.conversation() as conversation:
             return func(conversation, *args)
 

@@ -125,7 +125,6 @@ class ReflectionCritic(BaseCritic):
         ``[Retrieval]`` (generation stops there); when it does not, the answer is generated
         after ``[No Retrieval]``, as in threshold mode and the official code.
         """
-        self.decoder.check_open()
         prompt = self._prompt(query)
         retrieval_id = self.token_ids[RETRIEVAL]
         track = self._reflection_ids
@@ -157,7 +156,6 @@ class ReflectionCritic(BaseCritic):
         """
         if not paragraphs:
             return []
-        self.decoder.check_open()
         prefix = [*self._prompt(query), self.token_ids[RETRIEVAL], self.token_ids[PARAGRAPH_OPEN]]
         suffixes = [self._user_tokens(text, add_bos=False) for text in paragraphs]
         outputs = self.decoder.generate(
@@ -191,7 +189,6 @@ class ReflectionCritic(BaseCritic):
     def _generate(self, query: str, on_text: Callable[[str], None] | None = None) -> str:
         """Answer with no evidence: greedy continuation after ``[No Retrieval]`` (``on_text``
         gets the answer so far after every token)."""
-        self.decoder.check_open()
         request = self._answer_request(self._prompt(query))
         if on_text is not None:
             text = TextStream(self.llm, self._answer_filter())
@@ -247,7 +244,6 @@ class ReflectionCritic(BaseCritic):
     ) -> list[Continuation]:
         if not branches:
             return []
-        self.decoder.check_open()
         ids = self.token_ids
         stop_if = None
         if boundary_threshold is not None:
@@ -281,18 +277,13 @@ class ReflectionCritic(BaseCritic):
                     stop_if=stop_if,
                 )
             )
-        todo = [r for r in requests if r is not None]
-        outputs = iter(self._run_segments(todo) if todo else [])
+        # The KV cache carries over from the last depth: a path's context was read there.
+        with self.decoder.conversation(carry_over=True) as conversation:
+            outputs = iter(conversation.run([r for r in requests if r is not None]))
         return [
             self._continuation(context, next(outputs) if request is not None else None)
             for (context, _), request in zip(branches, requests, strict=True)
         ]
-
-    def _run_segments(self, requests: list[Request]) -> list[SequenceOutput]:
-        """Decode one depth's continuations side by side. The KV cache carries over from the
-        last depth: a path's context was read there, as the start of its prompts."""
-        with self.decoder.conversation(carry_over=True) as conversation:
-            return conversation.run(requests)
 
     def _continuation(self, context: tuple[int, ...], out: SequenceOutput | None) -> Continuation:
         """The segment ``out`` generated after ``context`` and a passage, scored."""

@@ -163,6 +163,20 @@ def test_docstore_index_reads_gaps_by_id(corpus_nodes, minilm):
     assert_exact_segments(rse.postprocess_nodes(retrieved))
 
 
+def test_an_index_filled_after_the_postprocessor_was_built_is_read(corpus_nodes, minilm):
+    # The usual start-up order: an empty index, the postprocessor, then the documents. RSE used
+    # to decide on the docstore when it was built (empty then: never read), so every query
+    # read the gaps from a SimpleVectorStore that cannot, and the segments lost them.
+    index = VectorStoreIndex([], embed_model=minilm)  # SimpleVectorStore + docstore
+    rse = RelevantSegmentPostprocessor(index=index)
+    index.insert_nodes([n.model_copy(deep=True) for n in corpus_nodes])
+    retrieved = index.as_retriever(similarity_top_k=10).retrieve(QUERY)
+    hit_ids = {hit.node.node_id for hit in retrieved}
+    members = [m.node_id for s in rse.extract(retrieved).segments for m in s.members]
+    assert set(members) - hit_ids  # chunks between the hits, read from the docstore
+    assert_exact_segments(rse.postprocess_nodes(retrieved))
+
+
 def test_inside_retriever_query_engine(indexed):
     rse = RelevantSegmentPostprocessor(index=indexed)
     engine = RetrieverQueryEngine.from_args(

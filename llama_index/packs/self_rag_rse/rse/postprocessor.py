@@ -111,12 +111,12 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
                 raise TypeError(f"{name} is a {kind}: pass index=<your VectorStoreIndex>")
         super().__init__(**kwargs)
         if index is not None:
-            # An index's docstore is empty when the vector store keeps the text (Qdrant etc.).
-            index_docstore = getattr(index, "docstore", None)
-            if docstore is None and index_docstore is not None and index_docstore.docs:
-                docstore = index_docstore
-            if vector_store is None:
-                vector_store = getattr(index, "vector_store", None)
+            # An index keeps its nodes in its docstore unless its vector store keeps the text
+            # (Qdrant etc.): the store's kind says so, not what the docstore holds yet.
+            index_store = getattr(index, "vector_store", None)
+            if docstore is None and not getattr(index_store, "stores_text", False):
+                docstore = getattr(index, "docstore", None)
+            vector_store = vector_store or index_store
         self._docstore = docstore
         self._vector_store = vector_store
 

@@ -277,3 +277,23 @@ def test_ctrl_c_mid_run_exits_cleanly_and_the_cache_resumes(inputs):
     assert "interrupted" in err and "resume" in err
     lines = [line for line in cache.read_text().splitlines() if line.strip()]
     assert lines and all(json.loads(line)["kind"] for line in lines)
+
+
+def test_the_served_model_is_listed_with_the_api_key(monkeypatch):
+    # --llm URL without #MODEL lists the server's models without OPENAI_API_KEY, which the
+    # OpenAILike built next sends: a server that wants a key answered 401, and the error said
+    # only "('data')".
+    from served.stub import Reply, StubServer
+
+    def handle(method, path, body):
+        if stub.headers.get("Authorization") != "Bearer sk-test":
+            return Reply.json({"error": {"message": "invalid key"}}, status=401)
+        return Reply.json({"data": [{"id": "served-model"}]})
+
+    with StubServer(handle) as stub:
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+        _, label, _ = load_llm(ModelSpec("served", None, f"{stub.url}/v1"), 16, 2048)
+        assert label == f"served-model at {stub.url}/v1"
+        monkeypatch.delenv("OPENAI_API_KEY")
+        with pytest.raises(ValueError, match=r"no model list at .*/v1/models \(.*401.*URL#MODEL"):
+            load_llm(ModelSpec("served", None, f"{stub.url}/v1"), 16, 2048)

@@ -241,3 +241,13 @@ def test_a_false_like_field_that_is_no_string_is_refused(docs, tmp_path, value):
     none = write(tmp_path / "qa.jsonl", [{"question": "q", "evidence": None}])
     (question,) = load_questions(none)
     assert question.evidence is None
+
+
+def test_a_line_separator_inside_a_question_is_part_of_it(docs, tmp_path):
+    # json.dumps(ensure_ascii=False) writes U+2028, U+2029 and U+0085 unescaped (valid JSON,
+    # common in text from PDFs and web pages); splitting lines on them made such a file
+    # "not JSON", with wrong line numbers.
+    path = tmp_path / "qa.jsonl"
+    lines = [{"question": f"What is{mark}this?"} for mark in ("\u2028", "\u2029", "\x85")]
+    path.write_text("\n".join(json.dumps(q, ensure_ascii=False) for q in lines), "utf-8")
+    assert [q.question for q in load_questions(path)] == [q["question"] for q in lines]

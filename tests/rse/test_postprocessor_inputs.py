@@ -372,3 +372,20 @@ def test_hits_given_sentence_windows_before_rse_are_warned_about():
     with pytest.warns(UserWarning, match="2 hit.* more text than their offsets.*first"):
         (segment,) = rse.postprocess_nodes(windows.postprocess_nodes(hits), query_str="item 10")
     assert segment.node.get_content().count("Fact 11 ") > 1  # what the warning is about
+
+
+def test_verbose_on_a_console_that_cannot_encode_a_document_id(monkeypatch):
+    # A document id such as 報告/東京.txt (filename_as_id=True) on a cp1252 or ASCII console:
+    # printing the trace raised UnicodeEncodeError after all the work, losing the result.
+    import io
+    import sys
+
+    nodes = versions(BASE[:3000], BASE[:3000])[0]
+    for node in nodes:
+        node.relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id="報告/東京.txt")
+    console = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", console)
+    rse = RelevantSegmentPostprocessor(verbose=True)
+    assert rse.postprocess_nodes(scored((nodes[1], 0.9), (nodes[2], 0.8)))
+    console.flush()
+    assert "\\u5831\\u544a" in console.buffer.getvalue().decode("ascii")

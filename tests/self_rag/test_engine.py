@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import os
 import threading
 
 import pytest
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.schema import NodeWithScore, TextNode
 from retrievers import PARAGRAPHS, FixedRetriever, make_nodes
 
 from llama_index.packs.self_rag_rse import ReflectionCritic, SelfRAGPack, SelfRAGQueryEngine
@@ -163,6 +166,27 @@ def test_aquery_and_concurrent_queries_agree(make_engine, talkative_llm):
     for t in threads:
         t.join()
     assert [results[i] for i in range(3)] == serial
+
+
+def test_queries_whose_retriever_queries_an_engine_do_not_wait_on_each_other(make_engine):
+    # A RecursiveRetriever routing to a Self-RAG engine queries it synchronously from inside
+    # the outer query's retrieval. Blocking retrievals used to share one bounded thread pool
+    # (cpu count + 4 threads): with more queries at once than that, every place was held by an
+    # outer retrieval waiting for an inner query that waited for a place, and the process hung.
+    inner = make_engine()
+    callers = min(32, (os.cpu_count() or 1) + 4) + 2  # more than that pool ever had
+    together = threading.Barrier(callers, timeout=30)  # all outer retrievals in flight at once
+
+    class Routing:
+        def retrieve(self, query_bundle):
+            together.wait()
+            answer = inner.query(query_bundle.query_str).response
+            return [NodeWithScore(node=TextNode(text=f"Routed: {answer}"), score=1.0)]
+
+    outer = make_engine(retriever=Routing())
+    with concurrent.futures.ThreadPoolExecutor(callers) as pool:
+        answers = list(pool.map(lambda i: outer.query(f"q {i}?").response, range(callers)))
+    assert len(answers) == callers and not together.broken
 
 
 class SyncOnly:

@@ -42,6 +42,7 @@ class StubServer:
     def __init__(self, handler: Handler) -> None:
         self.handler = handler
         self.requests: list[tuple[str, str]] = []
+        self.headers: dict[str, str] = {}
         self.in_flight = 0
         self.max_in_flight = 0
         self._lock = threading.Lock()
@@ -54,6 +55,7 @@ class StubServer:
                 body = json.loads(raw) if raw else None
                 with stub._lock:
                     stub.requests.append((method, self.path))
+                    stub.headers = dict(self.headers)  # the last request's
                     stub.in_flight += 1
                     stub.max_in_flight = max(stub.max_in_flight, stub.in_flight)
                 try:

@@ -9,8 +9,10 @@ the call in :func:`collect_notes`. The notes live in a context variable, so conc
 from __future__ import annotations
 
 import contextvars
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 _NOTES: contextvars.ContextVar[list[tuple[str, str]] | None] = contextvars.ContextVar(
     "self_rag_rse_notes", default=None
@@ -33,3 +35,10 @@ def collect_notes() -> Iterator[list[tuple[str, str]]]:
         yield notes
     finally:
         _NOTES.reset(token)
+
+
+def print_escaped(*parts: Any) -> None:
+    """``print`` for verbose traces: a console that cannot encode the text (cp1252, ASCII) gets
+    escapes, not an error raised after all the work and losing the answer."""
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    print(" ".join(map(str, parts)).encode(encoding, "backslashreplace").decode(encoding))

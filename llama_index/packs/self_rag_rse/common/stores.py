@@ -11,13 +11,14 @@ or from synchronous code, holds that client's lock.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
+
+from llama_index.packs.self_rag_rse.common.bridge import in_own_thread
 
 logger = logging.getLogger(__name__)
 
@@ -79,4 +80,4 @@ async def in_thread(store: Any, func: Callable[..., T], /, *args: Any, **kwargs:
         with client_lock(store):
             return func(*args, **kwargs)
 
-    return await asyncio.to_thread(locked)
+    return await in_own_thread(locked)

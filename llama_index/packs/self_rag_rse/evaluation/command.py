@@ -87,10 +87,10 @@ def load_llm(spec: ModelSpec, max_new_tokens: int, context_window: int) -> tuple
     """``(llm, label, close)``: a GGUF on llama.cpp in its own chat template, or a server."""
     if spec.kind == "served":
         module = optional_import("llama_index.llms.openai_like", "a served model", "served")
-        model = spec.value or _first_model(str(spec.url))
+        key = os.environ.get("OPENAI_API_KEY", "none")
+        model = spec.value or _first_model(str(spec.url), key)
         options = {"is_chat_model": spec.chat, "temperature": 0.0, "max_tokens": max_new_tokens}
         options.update(context_window=context_window, timeout=300)
-        key = os.environ.get("OPENAI_API_KEY", "none")
         llm = module.OpenAILike(api_base=spec.url, model=model, api_key=key, **options)
         return llm, f"{model} at {spec.url}", lambda: None
     from llama_index.packs.self_rag_rse.llamacpp.chat_format import bundled_gguf, load_gguf
@@ -102,13 +102,16 @@ def load_llm(spec: ModelSpec, max_new_tokens: int, context_window: int) -> tuple
     return llm, judges.llm_label(llm), llama.close if llama is not None else lambda: None
 
 
-def _first_model(url: str) -> str:
-    """The first model the server at ``url`` lists (``GET {url}/models``)."""
+def _first_model(url: str, key: str) -> str:
+    """The first model the server at ``url`` lists (``GET {url}/models``, with the API key)."""
     httpx = optional_import("httpx", "finding the served model's name", "served")
     try:
-        return str(httpx.get(url.rstrip("/") + "/models", timeout=10).json()["data"][0]["id"])
+        reply = httpx.get(f"{url.rstrip('/')}/models", headers={"Authorization": f"Bearer {key}"})
+        reply.raise_for_status()
+        return str(reply.json()["data"][0]["id"])
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as error:
-        raise ValueError(f"no model list at {url}/models ({error}): pass URL#MODEL") from error
+        why = str(error).partition("\n")[0]  # httpx adds a line of advice
+        raise ValueError(f"no model list at {url}/models ({why}): pass URL#MODEL") from error
 
 
 def _number(kind: type, low: float, wants: str, high: float = math.inf) -> Callable[[str], Any]:

@@ -77,7 +77,7 @@ def load_questions(
         raise ValueError(f"--qa {source} {what}: pass a .jsonl file of questions")
     questions: list[Question] = []
     problems: list[str] = []
-    for number, line in enumerate(read_utf8(source, "--qa").splitlines(), start=1):
+    for number, line in enumerate(read_utf8(source, "--qa").split("\n"), start=1):  # not U+2028
         try:
             if line.strip():
                 questions.append(_parse(json.loads(line), documents))

@@ -26,7 +26,7 @@ from llama_index.core.storage.docstore.types import BaseDocumentStore
 from llama_index.core.vector_stores.types import BasePydanticVectorStore
 
 from llama_index.packs.self_rag_rse.common.bridge import adrive, drive
-from llama_index.packs.self_rag_rse.common.notes import record_note
+from llama_index.packs.self_rag_rse.common.notes import print_escaped, record_note
 from llama_index.packs.self_rag_rse.common.options import pydantic_fields, reject_unknown
 from llama_index.packs.self_rag_rse.rse.calibration import node_relevance, reject_nan
 from llama_index.packs.self_rag_rse.rse.chunk_sources import ChunkRequest, ChunkSource
@@ -405,7 +405,7 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
             logger.info("%s", extraction.note)
             record_note(type(self).__name__, extraction.note)
         if self.verbose:
-            print(extraction.describe())
+            print_escaped(extraction.describe())
         return extraction
 
     def _why_empty(

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
+
+from llama_index.packs.self_rag_rse.common.notes import print_escaped
 
 
 def print_table(meta: dict[str, Any]) -> None:
     """Print the per-paragraph scores (or, in long form, the paths of each depth) and the
     trace, from the response's ``metadata["self_rag"]``."""
     prob = meta["retrieve_prob"]
-    _print(
+    print_escaped(
         f"Self-RAG [{meta['critic']}] retrieve={meta['retrieve']}"
         + (f" p={prob:.3f}" if prob is not None else "")
     )
     if meta.get("long_form"):
         _print_depths(meta)
     if meta["paragraphs"]:
-        _print(
+        print_escaped(
             f"  {'#':>2} {'node':<10} {'rel':>5} {'sup':>5} {'use':>5} {'seq':>5} "
             f"{'score':>6}  answer"
         )
@@ -26,12 +27,12 @@ def print_table(meta: dict[str, Any]) -> None:
         score = f"{row['score']:6.2f}" if row["score"] is not None else f"{'-':>6}"
         mark = "*" if meta["best"] == i else " "
         answer = (row.get("error") or row["answer"]).replace("\n", " ")[:60]
-        _print(
+        print_escaped(
             f"{mark}{i:>2} {row['node_id'][:10]:<10} {row['relevance']:5.2f} "
             f"{row['support']:5.2f} {row['utility']:+5.2f} {seq:>5} {score}  {answer}"
         )
     for entry in meta["trace"]:
-        _print("  trace:", entry)
+        print_escaped("  trace:", entry)
 
 
 def _print_depths(meta: dict[str, Any]) -> None:
@@ -39,8 +40,8 @@ def _print_depths(meta: dict[str, Any]) -> None:
     for entry in meta["trace"]:
         if entry.get("step") != "depth":
             continue
-        _print(f"  depth {entry['depth']}:")
-        _print(
+        print_escaped(f"  depth {entry['depth']}:")
+        print_escaped(
             f"  {'#':>3} {'path':<24} {'rel':>5} {'sup':>5} {'use':>5} {'seg':>6} "
             f"{'path':>6}  segment"
         )
@@ -56,11 +57,4 @@ def _print_depths(meta: dict[str, Any]) -> None:
             done = " (done)" if row["finished"] else ""
             text = row["segment"].replace("\n", " ")[:50]
             total = f"{row['path_score']:6.2f}"
-            _print(f" {mark}{row['rank']:>3} {path:<24} {scores} {total}  {text}{done}")
-
-
-def _print(*parts: Any) -> None:
-    # A console that cannot encode the text (cp1252, ASCII) gets escapes, not an error raised
-    # after all the work and losing the answer.
-    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
-    print(" ".join(map(str, parts)).encode(encoding, "backslashreplace").decode(encoding))
+            print_escaped(f" {mark}{row['rank']:>3} {path:<24} {scores} {total}  {text}{done}")

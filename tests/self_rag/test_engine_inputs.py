@@ -574,8 +574,32 @@ def test_a_temperature_in_generate_kwargs_is_ignored_with_a_warning(temperature,
             generate_kwargs={"temperature": temperature, "max_tokens": 9},
         )
     assert engine.max_new_tokens == 9
-    warned = any("ignoring temperature" in r.getMessage() for r in caplog.records)
+    warned = any("ignoring {'temperature'" in r.getMessage() for r in caplog.records)
     assert warned == (temperature not in (None, 0))
+
+
+def test_generate_kwargs_the_engine_cannot_use_are_named_not_dropped(caplog):
+    # generate_kwargs={"max_new_tokens": 200} (the engine's own name) was dropped without a
+    # word, answers cut at 50 tokens; stops and penalties too.
+    with caplog.at_level("WARNING"):
+        engine = SelfRAGQueryEngine(
+            retriever=FixedRetriever(),
+            critic=Recording(),
+            generate_kwargs={"max_new_tokens": 200, "stop": ["\n"], "top_p": 0.9},
+        )
+    assert engine.max_new_tokens == 200
+    (message,) = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+    assert "'stop'" in message and "'top_p'" in message and "max_new_tokens" not in message
+
+
+def test_model_options_that_would_not_reach_a_model_are_refused(tiny_llm):
+    # model_kwargs with llm= (the model is already loaded) and generator_llm= with a built
+    # critic were ignored: the engine ran with the loaded model's context, or without the
+    # generator asked for.
+    with pytest.raises(ValueError, match=r"model_kwargs= applies to the model loaded from"):
+        SelfRAGQueryEngine(llm=tiny_llm, retriever=FixedRetriever(), model_kwargs={"n_ctx": 64})
+    with pytest.raises(ValueError, match=r"a built critic or llm=/model_path=/generator_llm="):
+        SelfRAGQueryEngine(retriever=FixedRetriever(), critic=Recording(), generator_llm=tiny_llm)
 
 
 @pytest.mark.parametrize("long_form", [False, True])

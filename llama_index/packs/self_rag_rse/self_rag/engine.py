@@ -211,13 +211,13 @@ class SelfRAGQueryEngine(CustomQueryEngine):
                 "SelfRAGQueryEngine needs a retriever: pass retriever=index.as_retriever()"
             )
         generate_kwargs = dict(generate_kwargs or {})
-        if "max_tokens" in generate_kwargs and "max_new_tokens" not in options:
-            options["max_new_tokens"] = generate_kwargs.pop("max_tokens")  # checked as a field
-        if generate_kwargs.get("temperature") not in (None, 0):
-            logger.warning(
-                "Self-RAG scores greedy decodes; ignoring temperature=%s",
-                generate_kwargs["temperature"],
-            )
+        for key in ("max_tokens", "max_new_tokens"):  # llama_cpp's name, and the engine's
+            if key in generate_kwargs and "max_new_tokens" not in options:
+                options["max_new_tokens"] = generate_kwargs.pop(key)  # checked as a field
+        if generate_kwargs.get("temperature", 0) in (None, 0):
+            generate_kwargs.pop("temperature", None)
+        if generate_kwargs:  # sampling, stops, penalties: Self-RAG scores its greedy decodes
+            logger.warning("Self-RAG scores greedy decodes; ignoring %s", generate_kwargs)
         super().__init__(retriever=retriever, verbose=verbose, **options)  # type: ignore[call-arg]
         built = build_critic(
             critic,

@@ -82,10 +82,15 @@ def build_critic(
     when it has only some) or a built critic. For a served LLM (``OpenAILike``,
     ``OpenAI(api_base=...)``), ``"auto"`` asks the server whether its model has the tokens:
     completion models only, never a hosted API such as api.openai.com."""
+    if model_kwargs and model_path is None:
+        raise ValueError(
+            "model_kwargs= applies to the model loaded from model_path=: set those options on "
+            "the model you pass"
+        )
     if isinstance(critic, BaseCritic):
-        if llm is not None or model_path is not None:
+        if llm is not None or model_path is not None or generator_llm is not None:
             raise ValueError(
-                "pass either a built critic or llm=/model_path= to build one, not both"
+                "pass either a built critic or llm=/model_path=/generator_llm= to build one"
             )
         return BuiltCritic(critic)
     if not isinstance(critic, str):

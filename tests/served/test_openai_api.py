@@ -391,3 +391,20 @@ def test_a_character_split_across_tokens_keeps_its_text() -> None:
         assert c.generate("What drink?") == "café au lait"
         pieces = list(c.stream_generate("What drink?"))
         assert "".join(pieces) == "café au lait" and pieces[0] == "caf"
+
+
+@pytest.mark.parametrize("tops", [None, "empty"])
+def test_a_server_that_returns_no_top_logprobs_fails_instead_of_scoring(tops: Any) -> None:
+    # top_logprobs null (or {} at every position) used to score every paragraph 0.5 on every
+    # aspect, flagged "bounded" as if a bound existed, after up to 50 follow-up requests each.
+    from llama_index.packs.self_rag_rse.served import MalformedResponse
+
+    answer = legacy(ANSWER, TOPS)
+    answer["choices"][0]["logprobs"]["top_logprobs"] = None if tops is None else [{}] * 4
+    with openai_stub(["<s>", *SELF_RAG_SPECIAL_TOKENS], answer) as stub:
+        with (
+            critic(stub.url, max_logprobs=20) as c,
+            pytest.raises(MalformedResponse, match=r"/v1/completions returned no top log"),
+        ):
+            c.judge("What is the capital of France?", ["Paris.", "Lyon."])
+        assert stub.count("/v1/completions") == 3  # the echo probe and the two paragraphs

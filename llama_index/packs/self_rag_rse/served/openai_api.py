@@ -226,7 +226,11 @@ class OpenAIAPI:
     ) -> Completion:
         body = self._body(info, prompt, max_new_tokens, top_n)
         parse = partial(parse_openai, with_ids=self._native is not None)
-        return await self.client.post_parsed("/completions", body, parse)
+        completion = await self.client.post_parsed("/completions", body, parse)
+        if completion.positions and not any(p.top for p in completion.positions):
+            url = self.client.url("/completions")  # a server (or a proxy) that drops them
+            raise MalformedResponse(f"{url} returned no top log-probs (asked {top_n})", url)
+        return completion
 
     def stream(
         self, info: ServerInfo, prompt: Any, max_new_tokens: int, top_n: int

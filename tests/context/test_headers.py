@@ -54,6 +54,18 @@ def test_title_sources_in_order(markdown: str) -> None:
     assert _fish(no_section).metadata["context_header"] == "Document: Field guide to herons"
 
 
+def test_a_generated_document_id_is_no_title(markdown: str) -> None:
+    # Document(text=...) from a reader that sets no file name, and no title heading: the title
+    # was the document's random UUID, embedded with every chunk and shown in segment headers.
+    no_heading = markdown.replace("# Field guide to herons\n", "Field notes\n")
+    splitter = DocumentSectioner(splitter=SentenceSplitter(chunk_size=64, chunk_overlap=0))
+    nodes = ContextualHeaders()(splitter([Document(text=no_heading)]))
+    assert nodes[0].ref_doc_id and not nodes[0].metadata.get("document_title")
+    assert not nodes[0].metadata.get("context_header", "").startswith("Document:")
+    named = ContextualHeaders()(_chunks(no_heading))  # id_="herons", chosen by the user
+    assert named[0].metadata["document_title"] == "herons"
+
+
 def test_llm_titles_and_summaries_are_cached(markdown: str, scripted: Any, tmp_path: Any) -> None:
     def script(prompt: str) -> str:
         if "ten words" in prompt:

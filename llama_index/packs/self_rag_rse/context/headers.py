@@ -15,6 +15,7 @@ excluded from the LLM text). RSE segments carry the header once, before the segm
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Awaitable, Sequence
 from pathlib import PurePath
@@ -313,7 +314,8 @@ def _file_title(members: list[BaseNode]) -> str:
         if isinstance(value, str) and value.strip():
             stem = PurePath(value).stem or value
             return " ".join(stem.replace("_", " ").replace("-", " ").split())
-    return members[0].ref_doc_id or ""
+    doc_id = members[0].ref_doc_id or ""  # a generated id (a UUID) names nothing: no title
+    return "" if re.fullmatch(r"[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", doc_id) else doc_id
 
 
 def _first_line(answer: str, limit: int) -> str:

@@ -74,6 +74,21 @@ def test_two_hits_with_one_chunk_index_keep_both_texts_and_say_so(caplog):
         RelevantSegmentPostprocessor(calibration="raw", on_unplaceable="raise").extract(hits)
 
 
+def test_one_id_given_to_two_texts_keeps_both_and_says_so():
+    # Two chunkings of one document, both stamped ChunkIndexer(stable_ids=True), give chunk 3 of
+    # each the same id with different texts (a chunk-size ensemble): RSE took them for one node
+    # given twice and dropped the weaker one's text without a word.
+    small, large = (versions(BASE, BASE, stable=True, chunk_size=size)[0] for size in (64, 256))
+    assert small[3].node_id == large[3].node_id and small[3].text != large[3].text
+    with pytest.warns(UserWarning, match=r"1 hit\(s\) share a node id with a better hit of an"):
+        result = RelevantSegmentPostprocessor().postprocess_nodes(
+            scored((small[3], 0.62), (large[3], 0.6))
+        )
+    texts = " ".join(r.node.get_content() for r in result)
+    assert small[3].text in texts and large[3].text in texts
+    assert result[-1].node is large[3]  # passed through, after the segments
+
+
 def test_chunks_read_back_for_one_index_are_told_apart_by_version(whitespace_equal):
     v1, v2 = versions(BASE[:3000], edited(BASE[:3000]))
     store = qdrant_with(v1 + v2, "two-copies")  # a re-ingest without stable ids: both copies

@@ -247,10 +247,13 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
         nodes that pass through."""
         reject_nan([item.score for item in nodes])
         best: dict[str, NodeWithScore] = {}
+        other: list[NodeWithScore] = []  # one id, another text: passed through, not dropped
         for item in nodes:  # a node given twice (two retrievers' lists joined): its best score
-            kept = best.setdefault(item.node.node_id, item)
+            kept = best.setdefault(node_id := item.node.node_id, item)
             if item.score is not None and (kept.score is None or item.score > kept.score):
-                best[item.node.node_id] = item
+                best[node_id], item = item, kept
+            if item is not best[node_id] and item.get_content() != best[node_id].get_content():
+                other.append(item)
         unique = list(best.values())
         scores = [item.score for item in unique]
         if all(s is not None for s in scores):
@@ -299,12 +302,20 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
             )
         passthrough = [item for item in unique if item.node.ref_doc_id is None]
         self._unplaceable(passthrough, "have no source document (no SOURCE relationship)")
+        if other:
+            warnings.warn(
+                f"{len(other)} hit(s) share a node id with a better hit of another text (e.g. "
+                f"{other[0].node.node_id!r}): two chunkings of one document, both stamped with "
+                "ChunkIndexer(stable_ids=True)? They pass through unchanged; give each chunking "
+                "its own document ids",
+                stacklevel=4,
+            )
         values_of = {
             item.node.node_id: float(value)
             for item, value in zip(unique, values, strict=True)
             if item.node.ref_doc_id is not None
         }
-        return hits, values_of, passthrough
+        return hits, values_of, passthrough + other
 
     def _unplaceable(self, items: list[NodeWithScore], why: str) -> None:
         """Warn (or raise) about nodes that pass through because they cannot be ordered."""

@@ -384,7 +384,7 @@ def test_hits_given_sentence_windows_before_rse_are_warned_about():
     windows = MetadataReplacementPostProcessor(target_metadata_key="window")
     # The windows of sentences 10 and 12 joined to sentence 11 read back between them gave
     # "Fact 8 ... Fact 12.\nFact 11.\nFact 10 ... Fact 14." without a word.
-    with pytest.warns(UserWarning, match="2 hit.* more text than their offsets.*first"):
+    with pytest.warns(UserWarning, match="2 hit.* more or less text than their offsets.*first"):
         (segment,) = rse.postprocess_nodes(windows.postprocess_nodes(hits), query_str="item 10")
     assert segment.node.get_content().count("Fact 11 ") > 1  # what the warning is about
 
@@ -404,3 +404,19 @@ def test_verbose_on_a_console_that_cannot_encode_a_document_id(monkeypatch):
     assert rse.postprocess_nodes(scored((nodes[1], 0.9), (nodes[2], 0.8)))
     console.flush()
     assert "\\u5831\\u544a" in console.buffer.getvalue().decode("ascii")
+
+
+def test_hits_a_compressor_cut_before_rse_are_warned_about():
+    # A postprocessor before RSE that keeps a few sentences of each hit (SentenceEmbedding-
+    # Optimizer, a compressor): RSE joined the cut hits to whole chunks read back between them,
+    # a passage that is no span of the document, without a word.
+    from llama_index.core.storage.docstore import SimpleDocumentStore
+
+    nodes = versions(BASE[:6000], BASE[:6000])[0]
+    docstore = SimpleDocumentStore()
+    docstore.add_documents(nodes)
+    hits = [NodeWithScore(node=nodes[i].model_copy(deep=True), score=0.9) for i in (2, 4)]
+    for hit in hits:
+        hit.node.set_content(hit.node.get_content()[-60:])  # the sentence the compressor kept
+    with pytest.warns(UserWarning, match="2 hit.* more or less text than their offsets"):
+        RelevantSegmentPostprocessor(docstore=docstore).postprocess_nodes(hits)

@@ -38,7 +38,7 @@ from llama_index.packs.self_rag_rse.rse.layout import (
     place_read,
     read_missing,
 )
-from llama_index.packs.self_rag_rse.rse.node_fields import wider_than_span
+from llama_index.packs.self_rag_rse.rse.node_fields import off_span
 from llama_index.packs.self_rag_rse.rse.options import SegmentOptions
 from llama_index.packs.self_rag_rse.rse.segment_nodes import drop_given_text, segment_nodes
 from llama_index.packs.self_rag_rse.rse.segments import find_best_segments
@@ -291,12 +291,12 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
             # the knapsack does not trade one long strong hit for two short weaker ones.
             values = np.where(values > 0, values * lengths / lengths.mean(), values)
         hits = [item for item in unique if item.node.ref_doc_id is not None]
-        if wide := [h for h in hits if wider_than_span(h.node)]:
+        if changed := [h for h in hits if off_span(h.node)]:
             warnings.warn(
-                f"{len(wide)} hit(s) hold more text than their offsets span (e.g. "
-                f"{wide[0].node.node_id!r}): text put in before RSE, as by "
-                "MetadataReplacementPostProcessor's sentence windows? Joined, such texts repeat "
-                "each other. Put RelevantSegmentPostprocessor first, or leave the other out: RSE "
+                f"{len(changed)} hit(s) hold more or less text than their offsets span (e.g. "
+                f"{changed[0].node.node_id!r}): changed before RSE, as by MetadataReplacement"
+                "PostProcessor's sentence windows or a compressor? Joined, such texts repeat or "
+                "skip text. Put RelevantSegmentPostprocessor first, or leave the other out: RSE "
                 "adds the neighbouring text itself",
                 stacklevel=4,
             )

@@ -88,7 +88,7 @@ def test_a_url_that_is_no_text_is_refused_at_construction(url: Any) -> None:
     # "a bytes-like object is required, not 'str'").
     message = re.escape(
         "base_url must be an http(s) URL with a host and a port in 1-65535, such as "
-        f"http://127.0.0.1:8080, got {url!r}"
+        f"http://127.0.0.1:8080, got {url!r} (the server's root or its /v1"
     )
     with pytest.raises(ValueError, match=message):
         ServedReflectionCritic(url)
@@ -96,7 +96,18 @@ def test_a_url_that_is_no_text_is_refused_at_construction(url: Any) -> None:
 
 @pytest.mark.parametrize(
     "url",
-    ["http://127.0.0.1:99999", "http://127.0.0.1:0", "http://127.0.0.1:port/v1"],
+    [
+        "http://127.0.0.1:99999",
+        "http://127.0.0.1:0",
+        "http://127.0.0.1:port/v1",
+        # Each used to pass construction, then every request went to a path that does not
+        # exist (".../v1/completions/v1/completions", "h:p?x=1/v1/completions"), or failed
+        # with "Request URL is missing an 'http://'" although it had one.
+        "http://127.0.0.1:8080/v1/completions",
+        "http://127.0.0.1:8080/completion",
+        "http://127.0.0.1:8080?key=1",
+        " http://127.0.0.1:8080",
+    ],
 )
 def test_a_url_with_no_usable_port_is_refused_at_construction(url: str) -> None:
     # A port out of range used to pass construction and fail at the first request with an

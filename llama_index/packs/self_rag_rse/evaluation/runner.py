@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import tenacity
 from llama_index.core.async_utils import run_jobs
 from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.bridge.pydantic import BaseModel, ConfigDict, Field
@@ -27,8 +28,6 @@ from llama_index.core.instrumentation.events import BaseEvent
 from llama_index.core.instrumentation.events import llm as events
 from llama_index.core.instrumentation.span_handlers import NullSpanHandler
 from llama_index.core.utils import get_tqdm_iterable
-from tenacity import AsyncRetrying, retry_if_not_exception_type, stop_after_attempt
-from tenacity import wait_exponential as backoff
 
 from llama_index.packs.self_rag_rse.common.bridge import run_sync
 from llama_index.packs.self_rag_rse.evaluation import judges
@@ -42,7 +41,7 @@ dispatcher = get_dispatcher(__name__)
 #: Metrics computed from the retrieved text and the gold evidence, without any model.
 EVIDENCE_METRICS = ("evidence_recall", "evidence_precision")
 #: Seconds between attempts of a judgement: 1, 2, 4, ... up to 30.
-RETRY_WAIT = backoff(multiplier=1, max=30)
+RETRY_WAIT = tenacity.wait_exponential(multiplier=1, max=30)
 
 
 def evaluate(*args: Any, **options: Any) -> EvaluationResult:
@@ -178,9 +177,9 @@ async def _judge_one(
     """One judgement into its record and the cache; never raises. A timeout or a server's error
     is tried again after a wait, an unreadable reply (``JudgementError``) is not: same reply."""
     record, metric, evaluator, sample, key = job
-    retry = retry_if_not_exception_type(judges.JudgementError)
-    attempts = AsyncRetrying(
-        stop=stop_after_attempt(retries + 1), wait=RETRY_WAIT, retry=retry, reraise=True
+    retry = tenacity.retry_if_not_exception_type(judges.JudgementError)
+    attempts = tenacity.AsyncRetrying(
+        stop=tenacity.stop_after_attempt(retries + 1), wait=RETRY_WAIT, retry=retry, reraise=True
     )
     try:
         async for attempt in attempts:

@@ -175,11 +175,8 @@ class ReflectionCritic(BaseCritic):
             )
             judgements.append(
                 ParagraphJudgement(
-                    answer=self._answer_text(out.tokens),
-                    relevance=scores.relevance,
-                    support=scores.support,
-                    utility=scores.utility,
-                    seq_score=scores.seq_score,
+                    self._answer_text(out.tokens),
+                    *scores.as_tuple(),
                     # The paragraph's tokens left out to fit n_ctx, shown in its row.
                     details={"passage_cut": out.truncated} if out.truncated else {},
                 )
@@ -305,10 +302,7 @@ class ReflectionCritic(BaseCritic):
         )
         return Continuation(
             " ".join(self._answer_text(tokens).split()),
-            scores.relevance,
-            scores.support,
-            scores.utility,
-            scores.seq_score,
+            *scores.as_tuple(),
             # The passage's tokens left out to fit n_ctx, shown in the segment's row.
             details={"passage_cut": out.truncated} if out.truncated else {},
             tokens=tokens,

@@ -100,6 +100,10 @@ class ReflectionScores:
     utility: float
     seq_score: float
 
+    def as_tuple(self) -> tuple[float, float, float, float]:
+        """The four scores in the order of :class:`~.contract.ParagraphJudgement`'s fields."""
+        return self.relevance, self.support, self.utility, self.seq_score
+
 
 # --- building the log-prob array -----------------------------------------------------------------
 

@@ -136,10 +136,7 @@ async def write_segment(
     text = await answer_of(backend, info, completion, end)
     return Continuation(
         " ".join(text.split()),
-        scores.relevance,
-        scores.support,
-        scores.utility,
-        scores.seq_score,
+        *scores.as_tuple(),
         details=details,
         tokens=tokens,
         context=(*context, *tokens),

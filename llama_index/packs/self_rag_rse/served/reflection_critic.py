@@ -476,14 +476,8 @@ class ServedReflectionCritic(BaseCritic):
         needs = group_needs(info, completion.keys, len(completion.positions))
         details = await self._followups.complete_positions(backend, info, prompt, completion, needs)
         scores = scores_of(info, completion, len(completion.positions))
-        return ParagraphJudgement(
-            answer=await answer_of(backend, info, completion),
-            relevance=scores.relevance,
-            support=scores.support,
-            utility=scores.utility,
-            seq_score=scores.seq_score,
-            details=details,
-        )
+        answer = await answer_of(backend, info, completion)
+        return ParagraphJudgement(answer, *scores.as_tuple(), details=details)
 
     async def _prompt(
         self, backend: CompletionAPI, info: ServerInfo, query: str, layout: Layout

@@ -118,7 +118,11 @@ def same_value(a: Any, b: Any) -> bool:
     if a is b:
         return True
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return _same_array(a, b)
+        # array_equal is False for shapes that differ or values that make no array.
+        try:
+            return bool(np.array_equal(a, b, equal_nan=True))
+        except TypeError:  # equal_nan needs numbers: object or text arrays compare plainly
+            return bool(np.array_equal(a, b))
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):
@@ -133,14 +137,6 @@ def same_value(a: Any, b: Any) -> bool:
         return bool(a == b)
     except (TypeError, ValueError):  # an object whose == gives no single answer
         return False
-
-
-def _same_array(a: Any, b: Any) -> bool:
-    # array_equal is False for shapes that differ or values that make no array.
-    try:
-        return bool(np.array_equal(a, b, equal_nan=True))
-    except TypeError:  # equal_nan needs numbers: object or text arrays compare plainly
-        return bool(np.array_equal(a, b))
 
 
 def _is_nan(value: Any) -> bool:

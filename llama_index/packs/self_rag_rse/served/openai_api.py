@@ -347,14 +347,11 @@ class OpenAIAPI:
     async def answer_text(self, info: ServerInfo, completion: Completion, keep: list[int]) -> str:
         if self._native is not None:
             return await self._native.answer_text(info, completion, keep)
-        # Decoded text per token: join the kept ones (keys are text here, unless ids).
+        # Decoded text per token: join the kept ones (keys are text here), unless ids or a token
+        # named "" (llama-cpp-python's name for one that ends inside a character) stand there.
         keys = [completion.positions[i].key for i in keep]
-        if any(key_id(key) is not None for key in keys):
+        if "" in keys or any(key_id(key) is not None for key in keys):
             return _strip_markup(completion.text)
-        if "" in keys:  # llama-cpp-python names a token that ends inside a character ""
-            if (pieces := _pieces(completion)) is None:
-                return _strip_markup(completion.text)
-            return "".join(pieces[i] for i in keep).strip()
         return "".join(keys).strip()
 
     def check(self, info: ServerInfo, completion: Completion) -> None:
@@ -371,19 +368,6 @@ class OpenAIAPI:
             return True  # llama-server lists it last, as natively
         last = completion.positions[-1].key
         return last == "" or (last.startswith("<") and last.endswith(">") and " " not in last)
-
-
-def _pieces(completion: Completion) -> list[str] | None:
-    """Each position's text, cut from the completion's at the server's offsets (counted from the
-    first position's: servers count from the prompt or from the answer); None without them."""
-    offsets = [p.offset for p in completion.positions if p.offset is not None]
-    if len(offsets) != len(completion.positions) or offsets != sorted(offsets):
-        return None
-    starts = [offset - offsets[0] for offset in offsets]
-    return [
-        completion.text[a:b]
-        for a, b in zip(starts, [*starts[1:], len(completion.text)], strict=True)
-    ]
 
 
 def _strip_markup(text: str) -> str:

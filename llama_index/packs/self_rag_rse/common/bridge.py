@@ -13,7 +13,7 @@ Three situations, one helper each:
   awaits each item on the same private loop.
 * **Blocking native work from async code** (llama.cpp decoding): :class:`SerialWorker` runs it
   on one dedicated thread per model, so decoding never competes with itself for the cores and
-  calls reach the native library in order; a blocking retriever, :func:`in_own_thread`.
+  calls reach the native library in order; a blocking retriever, :func:`run_blocking`.
 """
 
 from __future__ import annotations
@@ -122,23 +122,17 @@ def iterate_sync(stream: AsyncIterator[T]) -> Iterator[T]:
             run_sync(close())
 
 
-async def in_own_thread(func: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
-    """``func(*args, **kwargs)`` (a blocking retriever or store read) in a thread of its own,
-    awaited. Not in a pool: a pool caps how many run at once, and a retriever that queries an
-    engine synchronously (``RecursiveRetriever`` routing to one) waits for a place the retrievals
-    around it hold, for ever. Core's engines run them in each caller's thread, unbounded too."""
-    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+#: Blocking retrievals, postprocessors and store reads. Not the loop's default pool (the CPU
+#: count + 4 threads): a retriever that queries an engine synchronously (``RecursiveRetriever``
+#: routing to one) waits there for a thread the retrievals around it hold, for ever. Threads are
+#: made as needed and reused, with no practical cap, as core's engines run these in each caller's.
+_BLOCKING = concurrent.futures.ThreadPoolExecutor(10_000, "self-rag-rse-blocking")
+
+
+async def run_blocking(func: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``func(*args, **kwargs)`` (a blocking retriever or store read) on :data:`_BLOCKING`."""
     call = functools.partial(contextvars.copy_context().run, func, *args, **kwargs)
-
-    def work() -> None:
-        if done.set_running_or_notify_cancel():
-            try:
-                done.set_result(call())
-            except BaseException as error:
-                done.set_exception(error)
-
-    threading.Thread(target=work, name="self-rag-rse-blocking", daemon=True).start()
-    return await asyncio.wrap_future(done)
+    return await asyncio.get_running_loop().run_in_executor(_BLOCKING, call)
 
 
 class SerialWorker:

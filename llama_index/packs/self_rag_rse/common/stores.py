@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from llama_index.packs.self_rag_rse.common.bridge import in_own_thread
+from llama_index.packs.self_rag_rse.common.bridge import run_blocking
 
 logger = logging.getLogger(__name__)
 
@@ -80,4 +80,4 @@ async def in_thread(store: Any, func: Callable[..., T], /, *args: Any, **kwargs:
         with client_lock(store):
             return func(*args, **kwargs)
 
-    return await in_own_thread(locked)
+    return await run_blocking(locked)

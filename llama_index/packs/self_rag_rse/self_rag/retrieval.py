@@ -12,7 +12,7 @@ from typing import Any
 
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
-from llama_index.packs.self_rag_rse.common.bridge import in_own_thread
+from llama_index.packs.self_rag_rse.common.bridge import run_blocking
 from llama_index.packs.self_rag_rse.common.notes import collect_notes
 from llama_index.packs.self_rag_rse.common.stores import in_thread, sync_client, vector_store_of
 
@@ -99,7 +99,7 @@ async def retrieve(
         if sync_client(store) is not None:  # its async calls would fail: its sync one, in a thread
             found = await in_thread(store, retriever.retrieve, bundle)
         elif blocking:
-            found = await in_own_thread(retriever.retrieve, bundle)
+            found = await run_blocking(retriever.retrieve, bundle)
         else:
             found = await retriever.aretrieve(bundle)
         nodes = checked_nodes(found, retriever)
@@ -108,7 +108,7 @@ async def retrieve(
         for post in postprocessors:
             before = len(kept)
             if blocking:
-                done = await in_own_thread(post.postprocess_nodes, kept, query_bundle=bundle)
+                done = await run_blocking(post.postprocess_nodes, kept, query_bundle=bundle)
             else:
                 done = await post.apostprocess_nodes(kept, query_bundle=bundle)
             kept = checked_nodes(done, post)

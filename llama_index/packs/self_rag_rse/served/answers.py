@@ -73,8 +73,8 @@ async def answer_of(
 
 def text_so_far(info: ServerInfo, completion: Completion) -> str | None:
     """The answer of a completion still streaming, from all but its newest token (which may be
-    the end of generation), as :func:`answer_of` will read it, up to a token named "" (see
-    :func:`lost_text`); ``None`` when a token came without its bytes or text."""
+    the end of generation), as :func:`answer_of` will read it, up to a token named "" (which
+    llama-cpp-python streams no text for); ``None`` when a token came without its bytes or text."""
     positions = completion.positions[:-1]
     keep = answer_positions(info, positions)
     pieces = [positions[i].piece for i in keep]
@@ -84,13 +84,6 @@ def text_so_far(info: ServerInfo, completion: Completion) -> str | None:
     if any(key_id(k) is not None for k in keys):
         return None
     return "".join(keys[: keys.index("")] if "" in keys else keys).strip()
-
-
-def lost_text(info: ServerInfo, completion: Completion) -> bool:
-    """Whether a streamed answer lost text: llama-cpp-python names a token that ends inside a
-    UTF-8 character "" and streams no text for it (:func:`text_so_far` holds back from there)."""
-    positions = completion.positions[:-1]
-    return any(positions[i].key == "" for i in answer_positions(info, positions))
 
 
 async def write_segment(

@@ -57,7 +57,6 @@ from llama_index.packs.self_rag_rse.served.answers import (
     each_or_error,
     fit_passage,
     group_needs,
-    lost_text,
     paragraph_marks,
     reflection_matrix,
     scores_of,
@@ -385,7 +384,8 @@ class ServedReflectionCritic(BaseCritic):
             if text is not None and len(text) > len(emitted) and text.startswith(emitted):
                 yield text[len(emitted) :]
                 emitted = text
-        if completion.extra.get("left_out") or lost_text(info, completion):
+        # A token named "" (llama-cpp-python's for one ending inside a character) streamed no text.
+        if completion.extra.get("left_out") or "" in completion.keys[:-1]:
             completion = await backend.complete(info, prompt, self.max_new_tokens, 1)
         await self._followups.complete_positions(backend, info, prompt, completion, [])
         final = await answer_of(backend, info, completion)

@@ -80,7 +80,7 @@ def test_one_id_given_to_two_texts_keeps_both_and_says_so():
     # given twice and dropped the weaker one's text without a word.
     small, large = (versions(BASE, BASE, stable=True, chunk_size=size)[0] for size in (64, 256))
     assert small[3].node_id == large[3].node_id and small[3].text != large[3].text
-    with pytest.warns(UserWarning, match=r"1 hit\(s\) share a node id with a better hit of an"):
+    with pytest.warns(UserWarning, match=r"1 node\(s\) share their node id with a better-ranked"):
         result = RelevantSegmentPostprocessor().postprocess_nodes(
             scored((small[3], 0.62), (large[3], 0.6))
         )

@@ -302,14 +302,8 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
             )
         passthrough = [item for item in unique if item.node.ref_doc_id is None]
         self._unplaceable(passthrough, "have no source document (no SOURCE relationship)")
-        if other:
-            warnings.warn(
-                f"{len(other)} hit(s) share a node id with a better hit of another text (e.g. "
-                f"{other[0].node.node_id!r}): two chunkings of one document, both stamped with "
-                "ChunkIndexer(stable_ids=True)? They pass through unchanged; give each chunking "
-                "its own document ids",
-                stacklevel=4,
-            )
+        # Two chunkings of one document, both stamped ChunkIndexer(stable_ids=True)?
+        self._unplaceable(other, "share their node id with a better-ranked hit of another text")
         values_of = {
             item.node.node_id: float(value)
             for item, value in zip(unique, values, strict=True)

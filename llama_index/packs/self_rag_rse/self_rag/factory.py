@@ -83,10 +83,7 @@ def build_critic(
     ``OpenAI(api_base=...)``), ``"auto"`` asks the server whether its model has the tokens:
     completion models only, never a hosted API such as api.openai.com."""
     if model_kwargs and model_path is None:
-        raise ValueError(
-            "model_kwargs= applies to the model loaded from model_path=: set those options on "
-            "the model you pass"
-        )
+        raise ValueError("model_kwargs= applies to the model loaded from model_path=: set yours")
     if isinstance(critic, BaseCritic):
         if llm is not None or model_path is not None or generator_llm is not None:
             raise ValueError(

@@ -60,8 +60,7 @@ class ServerHTTPError(ServerError):
 
 
 class ServerNotReady(ServerHTTPError):
-    """HTTP 429, 502, 503 or 504: the server, or a proxy before it, cannot answer yet
-    (llama-server while it loads its model, a server restarting, rate limits): try again."""
+    """HTTP 429, 502, 503 or 504: the server (or a proxy before it) cannot answer yet: retry."""
 
 
 class ServerRedirect(ServerError):

@@ -264,7 +264,19 @@ def copy_pack(
             f"(CLI: --overwrite) to replace the pack's files there: {PACKAGE_PATH.as_posix()}/ "
             "whole (files you added in it go too); other files are kept."
         )
-    _check_writable(dest)
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise type(error)(
+            error.errno,
+            f"Cannot create download_dir {dest}: {error.strerror}. Pick a folder you can write "
+            "to, e.g. --download-dir ./self_rag_rse_pack",
+        ) from error
+    if not os.access(dest, os.W_OK | os.X_OK):
+        raise PermissionError(
+            f"download_dir {dest} is not writable; pick a folder you can write to, or change its "
+            "permissions"
+        )
     if overwrite and has_copy:
         shutil.rmtree(dest / PACKAGE_PATH)
     try:
@@ -407,22 +419,6 @@ def _refuse_symlinks(dest: Path, plan: dict[Path, Path]) -> None:
             "Copying through them would write outside the folder, and the copy would not load "
             f"from {dest}; nothing was written. Remove the links, or pick a new folder (the "
             "folder itself may be a link)."
-        )
-
-
-def _check_writable(dest: Path) -> None:
-    try:
-        dest.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise type(error)(
-            error.errno,
-            f"Cannot create download_dir {dest}: {error.strerror}. Pick a folder you can write "
-            "to, e.g. --download-dir ./self_rag_rse_pack",
-        ) from error
-    if not os.access(dest, os.W_OK | os.X_OK):
-        raise PermissionError(
-            f"download_dir {dest} is not writable; pick a folder you can write to, or change its "
-            "permissions"
         )
 
 

@@ -116,7 +116,18 @@ class Followups:
             details["unreported_positions"] = len(gaps)
         if bounded:
             details["bounded"] = bounded
-            self._warn(bounded, reasons)
+            if not self._warned:
+                self._warned = True
+                why = f" ({'; '.join(reasons)})" if reasons else ""
+                logger.warning(
+                    "served critic: %s read with a bound (a reflection token outside the top %d "
+                    "log-probs%s; flagged in each judgement's details['bounded'], logged once): "
+                    "raise top_logprobs (vLLM: --max-logprobs) or serve the model with "
+                    "llama-server for exact scores",
+                    ", ".join(bounded),
+                    self.top_n,
+                    why,
+                )
         return details
 
     @staticmethod
@@ -127,18 +138,3 @@ class Followups:
             floor = min(top.values())
             for member in members:
                 top.setdefault(member, floor)
-
-    def _warn(self, bounded: list[str], reasons: list[str]) -> None:
-        if self._warned:
-            return
-        self._warned = True
-        why = f" ({'; '.join(reasons)})" if reasons else ""
-        logger.warning(
-            "served critic: %s read with a bound (a reflection token outside the top %d "
-            "log-probs%s; flagged in each judgement's details['bounded'], logged once): raise "
-            "top_logprobs (vLLM: --max-logprobs) or serve the model with llama-server for exact "
-            "scores",
-            ", ".join(bounded),
-            self.top_n,
-            why,
-        )

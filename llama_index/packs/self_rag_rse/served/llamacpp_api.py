@@ -70,7 +70,6 @@ class LlamaCppAPI:
                 "default_generation_settings): use api='openai' for other servers",
                 self.client.url("/props"),
             )
-        n_ctx = settings.get("n_ctx")
         parts = await self._tokenize(SELF_RAG_SPECIAL_TOKENS, special=True)
         ids = {t: p[0] for t, p in zip(SELF_RAG_SPECIAL_TOKENS, parts, strict=True) if len(p) == 1}
         self._special_ids = frozenset(ids.values())
@@ -88,7 +87,7 @@ class LlamaCppAPI:
             api=self.name,
             keys={t: id_key(i) for t, i in ids.items()},
             verified=True,
-            n_ctx=positive_count(n_ctx),
+            n_ctx=positive_count(settings.get("n_ctx")),
             n_vocab=n_vocab,
             model=model,
             server=LLAMA_CPP,

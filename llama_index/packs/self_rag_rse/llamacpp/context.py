@@ -267,8 +267,7 @@ class NativeContext:
 
     def _create(self, n_cells: int, streams: int) -> Any:
         """A new llama.cpp context, or None when llama.cpp cannot create it."""
-        lib = self.lib
-        params = lib.llama_context_default_params()
+        params = self.lib.llama_context_default_params()
         for name, value in self.inherited.items():
             setattr(params, name, value)
         params.n_ctx = self._total_cells(n_cells, streams)
@@ -283,7 +282,7 @@ class NativeContext:
         # Unified: seq_cp only tags cells with more sequence ids (no copy) and each sequence
         # uses as many cells as it needs. Split: one stream of n_cells per sequence.
         params.kv_unified = self.kv_unified
-        return lib.llama_init_from_model(self.model, params)
+        return self.lib.llama_init_from_model(self.model, params)
 
     # --- the KV cache ---------------------------------------------------------------------------
 

@@ -408,6 +408,17 @@ def test_an_event_whose_data_spans_several_lines_is_one_event() -> None:
         assert _stream(stub.url) == [{"a": [1, 2]}, {"end": 1}]
 
 
+def test_a_stream_answered_with_one_json_body_says_the_server_does_not_stream() -> None:
+    # A server or proxy that ignores stream: true answers one JSON body; the error used to
+    # blame a connection cut after 0 events.
+    json_reply = Reply.json({"content": "Paris"})
+    with (
+        StubServer(lambda *_: json_reply) as stub,
+        pytest.raises(MalformedResponse, match="'application/json', not an event stream"),
+    ):
+        _stream(stub.url)
+
+
 @pytest.mark.parametrize("tail", [[], ['data: {"a": 2}', ""], ['data: {"en']])
 def test_a_stream_cut_before_its_end_is_an_error_naming_the_url(tail: list[str]) -> None:
     reply = _events('data: {"a": 1}', "", *tail)

@@ -235,10 +235,13 @@ class JSONClient:
                     if line is None:
                         break
                 if not done:
+                    kind = response.headers.get("content-type", "")
+                    cause = "the connection was cut, by the server or a proxy before it"
+                    if not events and "event-stream" not in kind:
+                        cause = f"it answered {kind!r}, not an event stream: it does not stream"
                     raise MalformedResponse(
-                        f"POST {url} ended its stream after {events} event(s) without the end "
-                        "of the answer (no [DONE], no finishing event): the connection was cut, "
-                        "by the server or a proxy before it; the answer is incomplete",
+                        f"POST {url} ended its stream after {events} event(s), without [DONE] or "
+                        f"an event that ends the answer: {cause}; the answer is incomplete",
                         url,
                     )
             finally:

@@ -106,9 +106,9 @@ def _first_model(url: str, key: str) -> str:
     """The first model the server at ``url`` lists (``GET {url}/models``, with the API key)."""
     httpx = optional_import("httpx", "finding the served model's name", "served")
     try:
-        reply = httpx.get(f"{url.rstrip('/')}/models", headers={"Authorization": f"Bearer {key}"})
-        reply.raise_for_status()
-        return str(reply.json()["data"][0]["id"])
+        headers = {"Authorization": f"Bearer {key}"}
+        reply = httpx.get(f"{url.rstrip('/')}/models", headers=headers, timeout=10)
+        return str(reply.raise_for_status().json()["data"][0]["id"])
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as error:
         why = str(error).partition("\n")[0]  # httpx adds a line of advice
         raise ValueError(f"no model list at {url}/models ({why}): pass URL#MODEL") from error

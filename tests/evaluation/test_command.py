@@ -297,3 +297,18 @@ def test_the_served_model_is_listed_with_the_api_key(monkeypatch):
         monkeypatch.delenv("OPENAI_API_KEY")
         with pytest.raises(ValueError, match=r"no model list at .*/v1/models \(.*401.*URL#MODEL"):
             load_llm(ModelSpec("served", None, f"{stub.url}/v1"), 16, 2048)
+
+
+def test_a_served_model_that_is_not_running_is_an_error_not_a_traceback(inputs, capsys):
+    # Nothing listens on the port: the served critic's connection error escaped as a traceback
+    # after the whole index was built.
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    extra = ["--llm", f"http://127.0.0.1:{port}/v1#m", "--judge-backend", "none"]
+    assert evaluate_with(inputs, *extra, "--engines", "self-rag", "--no-progress") == 1
+    err = capsys.readouterr().err
+    assert f"evaluate: error: cannot connect to http://127.0.0.1:{port}" in err
+    assert "Traceback" not in err

@@ -26,6 +26,7 @@ from llama_index.packs.self_rag_rse.evaluation import questions as qs
 from llama_index.packs.self_rag_rse.evaluation.report import markdown_table, write_report
 from llama_index.packs.self_rag_rse.evaluation.runner import EVIDENCE_METRICS, ResultCache, evaluate
 from llama_index.packs.self_rag_rse.rse.budget import MAX_BUDGET
+from llama_index.packs.self_rag_rse.served.http import ServerError
 
 CACHE_FILE = "cache.jsonl"
 #: Judge reply lengths: room for RAGAS's JSON lists; the bundled judge's are unusable anyway.
@@ -188,9 +189,8 @@ def add_evaluate_parser(commands: Any) -> argparse.ArgumentParser:
 
 def run_evaluate(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     """Run the ``evaluate`` subcommand; 0 on success, 1 on a reported error."""
-    for name, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1")):
-        os.environ.setdefault(name, value)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    os.environ.update({name: os.environ.get(name, value) for name, value in env.items()})
     # Failed judgements are recorded in the report; RAGAS also logs each at ERROR level.
     logging.getLogger("ragas").setLevel(logging.CRITICAL)
     cache = args.out / CACHE_FILE
@@ -214,7 +214,7 @@ def run_evaluate(args: argparse.Namespace, argv: Sequence[str] | None = None) ->
         args.cache, args.documents, args.questions = ResultCache(cache), documents, questions
         args.command = shlex.join(["self-rag-rse", *(sys.argv[1:] if argv is None else argv)])
         return _run(args, llm, judge)
-    except (ValueError, ImportError, OSError, TypeError) as error:
+    except (ValueError, ImportError, OSError, TypeError, ServerError) as error:
         print(f"self-rag-rse evaluate: error: {error}", file=sys.stderr)
         return 1
 

@@ -433,6 +433,8 @@ def test_a_stream_cut_before_its_end_is_an_error_naming_the_url(tail: list[str])
     [
         (_events('data: {"error": {"message": "no slot"}}'), ServerHTTPError, "streamed an error"),
         (_events("data: {not json"), MalformedResponse, "streamed an event that is not JSON"),
+        # Valid JSON nested past Python's recursion limit: RecursionError escaped the query.
+        (_events("data: " + "[" * 100_000 + "]" * 100_000), MalformedResponse, "not JSON"),
         (Reply(500, b"model crashed"), ServerHTTPError, "answered HTTP 500: model crashed"),
     ],
 )
@@ -449,3 +451,13 @@ def test_the_timeout_bounds_the_whole_stream_not_each_event() -> None:
         with pytest.raises(ServerTimeout, match="timed out after 2 s"):
             _stream(drip.url, timeout=2)
         assert drip.sent < len(head + events)  # given up before the stream's last byte
+
+
+def test_a_body_nested_past_the_recursion_limit_is_a_malformed_response() -> None:
+    deep = Reply(200, b"[" * 100_000 + b"]" * 100_000, headers={"Content-Type": "application/json"})
+    with (
+        StubServer(lambda *_: deep) as stub,
+        ServedReflectionCritic(stub.url, api="llama.cpp", timeout=5) as critic,
+        pytest.raises(MalformedResponse, match=r"/props answered HTTP 200 .*nests too deep"),
+    ):
+        critic.connect()

@@ -174,10 +174,10 @@ class JSONClient:
         self._check_status(method, path, response, response.text)
         try:
             return response.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise MalformedResponse(
                 f"{method} {url} answered HTTP {response.status_code} with a body that is not "
-                f"JSON: {_clip(response.text)!r}",
+                f"JSON (or nests too deep): {_clip(response.text)!r}",
                 url,
             ) from exc
 
@@ -250,7 +250,7 @@ class JSONClient:
     def _event(self, url: str, data: str, parse: Callable[[Any], T]) -> T:
         try:
             event = json.loads(data)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
             raise MalformedResponse(
                 f"POST {url} streamed an event that is not JSON: {_clip(data)!r}", url
             ) from exc

@@ -123,3 +123,24 @@ def test_the_embedding_cache_gives_the_stored_vectors_back(tmp_path: Path) -> No
     again = run()([TextNode(text="three"), TextNode(text="fifteen")])
     assert [n.embedding for n in again] == [[5.0, 0.5], [7.0, 0.5]]
     assert calls == [2, 1]  # "three" came from the file the first run wrote
+
+
+def test_the_paired_comparison_counts_questions_and_bounds_the_mean() -> None:
+    bench = _script("bench_rse_quality")
+    # Recall per question (recall, precision, chars, IoU, recall by text): ours loses one
+    # question of four outright, ties two, wins one by half.
+    ours = [(1.0, 0, 0, 0, 0), (0.0, 0, 0, 0, 0), (0.5, 0, 0, 0, 0), (1.0, 0, 0, 0, 0)]
+    theirs = [(1.0, 0, 0, 0, 0), (1.0, 0, 0, 0, 0), (0.0, 0, 0, 0, 0), (1.0, 0, 0, 0, 0)]
+    results = {("a", 10): ours, ("b", 10): theirs}
+    found = bench.paired(results, {"a - b": ("a", "b")}, [10])
+    [row] = found["a - b"]
+    assert (row["mean"], row["more"], row["less"]) == (-0.125, 1, 1)
+    low, high = row["interval"]
+    assert -1.0 <= low < -0.125 < high <= 0.5  # the set cannot tell this from chance
+    assert bench.paired(results, {"a - b": ("a", "b")}, [10]) == found  # seeded: every run alike
+    assert bench.paired(results, {"b - b": ("b", "b")}, [10])["b - b"][0] == {
+        "mean": 0.0,
+        "more": 0,
+        "less": 0,
+        "interval": [0.0, 0.0],
+    }

@@ -111,7 +111,15 @@ def cache_embeddings(embed: Any, folder: Path, name: str) -> None:
             real(self, [n for n, _ in missing], **kwargs)
             for n, key in missing:
                 stored[key] = np.asarray(n.embedding, dtype=np.float32)
-            np.savez(path, keys=np.array(list(stored)), vectors=np.stack(list(stored.values())))
+            # Another run may have stored vectors since this one loaded: keep them (a run that
+            # wrote the file whole lost the other's), and replace the file in one step.
+            if path.is_file():
+                with np.load(path) as saved:
+                    for key, vector in zip(saved["keys"].tolist(), saved["vectors"], strict=True):
+                        stored.setdefault(key, vector)
+            part = path.with_name(f"{path.stem}.{os.getpid()}.part.npz")
+            np.savez(part, keys=np.array(list(stored)), vectors=np.stack(list(stored.values())))
+            os.replace(part, path)
         for n, k in zip(nodes, keys, strict=True):
             n.embedding = stored[k].tolist()
         return nodes

@@ -123,6 +123,14 @@ def test_the_embedding_cache_gives_the_stored_vectors_back(tmp_path: Path) -> No
     again = run()([TextNode(text="three"), TextNode(text="fifteen")])
     assert [n.embedding for n in again] == [[5.0, 0.5], [7.0, 0.5]]
     assert calls == [2, 1]  # "three" came from the file the first run wrote
+    # Two runs at once, each loading before the other stores: neither loses the other's vectors.
+    left, right = run(), run()
+    left([TextNode(text="four")])
+    right([TextNode(text="sixteen")])
+    calls.clear()
+    run()([TextNode(text="four"), TextNode(text="sixteen"), TextNode(text="one")])
+    assert calls == []
+    assert [p.name for p in tmp_path.iterdir()] == [next(tmp_path.iterdir()).name]  # no parts
 
 
 def test_the_paired_comparison_counts_questions_and_bounds_the_mean() -> None:

@@ -219,3 +219,24 @@ def test_tokens_a_native_stream_leaves_out_come_from_a_whole_completion(
         pieces = _streamed(proxy.url, "llama.cpp", QUESTIONS[0])
         assert proxy.count("/completion") == 2  # the stream, then the whole completion
     assert len(pieces) > 1 and "".join(pieces) == local.generate(QUESTIONS[0])
+
+
+def test_a_stopped_stream_the_caller_keeps_holds_no_worker(server: tuple[str, str]) -> None:
+    # A chat UI stops a stream after a piece and keeps the response (its history): the stream
+    # held one of the critic's workers and its connection until collected, so with every worker
+    # held that way the next query waited for good.
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, api = server
+    options = {"api": api, "max_new_tokens": MAX_NEW, "num_workers": 1, "timeout": 10}
+    with ServedReflectionCritic(url, **options) as critic, ThreadPoolExecutor(1) as pool:
+        engine = SelfRAGQueryEngine(critic=critic, retriever=FixedRetriever(), mode="no_retrieval")
+        expected = engine.query(QUESTIONS[1]).response
+        engine.streaming = True
+        kept = engine.query(QUESTIONS[0])
+        try:
+            assert next(iter(kept.response_gen))
+            engine.streaming = False
+            assert pool.submit(engine.query, QUESTIONS[1]).result(timeout=30).response == expected
+        finally:
+            kept.response_gen.close()  # (what let the waiting query go)

@@ -182,18 +182,34 @@ class JSONClient:
             ) from exc
 
     async def stream_parsed(
-        self,
-        path: str,
-        body: Mapping[str, Any],
-        parse: Callable[[Any], T],
+        self, path: str, body: Mapping[str, Any], parse: Callable[[Any], T],
         finished: Callable[[T], bool],
-    ) -> AsyncIterator[T]:
+    ) -> AsyncIterator[T]:  # fmt: skip
         """POST ``body`` to ``path`` and yield each server-sent event's JSON, ``parse``d, as it
         arrives. The stream ends at ``data: [DONE]`` or with the body; a body that ends before
         ``[DONE]`` and before an event that ``finished`` says ends the answer was cut (a proxy
         or the server closed the connection): :class:`MalformedResponse` naming the URL.
         ``timeout`` bounds the time spent waiting for the server in all, not the time the
-        caller spends between events."""
+        caller spends between events. A task of its own reads the stream, so a caller that stops
+        reading but keeps the iterator (a chat UI's stopped answer) holds no worker once the
+        server has answered; closing the iterator stops the reading."""
+        queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
+        reader = asyncio.ensure_future(self._read(queue, path, body, parse, finished))
+        reader.add_done_callback(
+            lambda done: queue.put_nowait((True, done.cancelled() or done.exception()))
+        )
+        try:
+            while not (item := await queue.get())[0]:
+                yield item[1]
+            if isinstance(item[1], BaseException):
+                raise item[1]
+        finally:
+            reader.cancel()
+
+    async def _read(
+        self, queue: asyncio.Queue[tuple[bool, Any]], path: str, body: Mapping[str, Any],
+        parse: Callable[[Any], T], finished: Callable[[T], bool],
+    ) -> None:  # fmt: skip
         url = self.url(path)
         client, limit = self._client()
         left = self.timeout
@@ -231,7 +247,7 @@ class JSONClient:
                         event = self._event(url, joined, parse)
                         events += 1
                         done = done or finished(event)
-                        yield event
+                        queue.put_nowait((False, event))
                     if line is None:
                         break
                 if not done:

@@ -182,10 +182,7 @@ class LLMBackend(CriticBackend):
         loop = asyncio.get_running_loop()
         for closed in [old for old in self._limits if old.is_closed()]:
             del self._limits[closed]  # a semaphore holds its loop: the weak key never lets go
-        limit = self._limits.get(loop)
-        if limit is None:
-            limit = self._limits[loop] = asyncio.Semaphore(self.num_workers)
-        return limit
+        return self._limits.setdefault(loop, asyncio.Semaphore(self.num_workers))
 
     def describe(self) -> dict[str, Any]:
         """Backend, LLM class and model name."""
@@ -218,13 +215,8 @@ def _logprob_pairs(logprobs: Any) -> list[list[tuple[str, float]]] | None:
 
 def _usage(raw: Any) -> int | None:
     """Completion tokens from an OpenAI-style ``usage`` (dict or object), when present."""
-    usage = raw.get("usage") if isinstance(raw, Mapping) else getattr(raw, "usage", None)
-    if usage is None:
-        return None
-    value = (
-        usage.get("completion_tokens")
-        if isinstance(usage, Mapping)
-        else getattr(usage, "completion_tokens", None)
-    )
+    value = raw
+    for name in ("usage", "completion_tokens"):  # absent anywhere: None from there on
+        value = value.get(name) if isinstance(value, Mapping) else getattr(value, name, None)
     # A count: bool is an int to Python, and a negative one is no count.
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

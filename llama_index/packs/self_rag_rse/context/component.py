@@ -57,10 +57,8 @@ class ContextComponent(TransformComponent):
         reject_unknown(name, kwargs, pydantic_fields(type(self)) | {"cache"})
         super().__init__(**kwargs)
         for option, low in self._minimums.items():
-            if getattr(self, option) < low:
-                raise ValueError(
-                    f"{name}: {option} must be at least {low}, got {getattr(self, option)}"
-                )
+            if (value := getattr(self, option)) < low:
+                raise ValueError(f"{name}: {option} must be at least {low}, got {value}")
         self._check_options()
         self._cache = ContextCache.coerce(cache)
 

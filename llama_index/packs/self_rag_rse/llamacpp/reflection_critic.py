@@ -337,8 +337,7 @@ class ReflectionCritic(BaseCritic):
 
     def _answer_text(self, tokens: Sequence[int]) -> str:
         """Detokenize an answer without reflection tokens, end markers or generated evidence."""
-        keep = self._answer_filter()
-        kept = [token for token in tokens if keep(token)]
+        kept = list(filter(self._answer_filter(), tokens))
         return self.llm.detokenize(kept).decode("utf-8", errors="ignore").strip()
 
     def _answer_filter(self) -> Callable[[int], bool]:

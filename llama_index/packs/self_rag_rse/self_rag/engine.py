@@ -423,14 +423,13 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         or the long form; sources and metadata are complete when it returns. ``blocking``
         (``query``): retrieve with the blocking methods (see :func:`~.retrieval.retrieve`)."""
         meta = query_meta(self._critic.name, self.long_form)
-        outcome = await self._flow(bundle.query_str, meta, blocking, bundle)
+        outcome = await self._flow(bundle, meta, blocking)
         if self.verbose:
             print_table(meta)
         return outcome
 
-    async def _flow(
-        self, query: str, meta: dict[str, Any], blocking: bool, bundle: QueryBundle
-    ) -> Outcome:
+    async def _flow(self, bundle: QueryBundle, meta: dict[str, Any], blocking: bool) -> Outcome:
+        query = bundle.query_str
         if self.mode == "no_retrieval":
             meta["trace"].append({"step": "generate", "reason": "mode=no_retrieval"})
             return Outcome(None, [], meta)

@@ -15,7 +15,7 @@ from llama_index.core.schema import NodeWithScore, TextNode
 from retrievers import FixedRetriever, make_nodes
 from scripted import BlockingCritic
 
-from llama_index.packs.self_rag_rse import SelfRAGPack, SelfRAGQueryEngine
+from llama_index.packs.self_rag_rse import ReflectionCritic, SelfRAGPack, SelfRAGQueryEngine
 from llama_index.packs.self_rag_rse.common.notes import record_note
 
 
@@ -592,7 +592,7 @@ def test_generate_kwargs_the_engine_cannot_use_are_named_not_dropped(caplog):
     assert "'stop'" in message and "'top_p'" in message and "max_new_tokens" not in message
 
 
-def test_model_options_that_would_not_reach_a_model_are_refused(tiny_llm):
+def test_model_options_that_would_not_reach_a_model_are_refused(tiny_llm, request):
     # model_kwargs with llm= (the model is already loaded) and generator_llm= with a built
     # critic were ignored: the engine ran with the loaded model's context, or without the
     # generator asked for.
@@ -600,6 +600,13 @@ def test_model_options_that_would_not_reach_a_model_are_refused(tiny_llm):
         SelfRAGQueryEngine(llm=tiny_llm, retriever=FixedRetriever(), model_kwargs={"n_ctx": 64})
     with pytest.raises(ValueError, match=r"a built critic or llm=/model_path=/generator_llm="):
         SelfRAGQueryEngine(retriever=FixedRetriever(), critic=Recording(), generator_llm=tiny_llm)
+    # max_new_tokens= with a built critic: the engine said 3, the critic wrote its own 50.
+    critic = ReflectionCritic(tiny_llm, max_new_tokens=50)
+    request.addfinalizer(critic.close)
+    for options in ({"max_new_tokens": 3}, {"generate_kwargs": {"max_tokens": 3}}):
+        with pytest.raises(ValueError, match=r"the critic passed writes 50 tokens: set it there"):
+            SelfRAGQueryEngine(retriever=FixedRetriever(), critic=critic, **options)
+    SelfRAGQueryEngine(retriever=FixedRetriever(), critic=critic, max_new_tokens=50)  # the same
 
 
 @pytest.mark.parametrize("long_form", [False, True])

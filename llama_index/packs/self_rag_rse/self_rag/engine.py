@@ -214,6 +214,9 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         for key in ("max_tokens", "max_new_tokens"):  # llama_cpp's name, and the engine's
             if key in generate_kwargs and "max_new_tokens" not in options:
                 options["max_new_tokens"] = generate_kwargs.pop(key)  # checked as a field
+        own = getattr(critic, "max_new_tokens", None)  # a critic passed built has its own
+        if own is not None and options.get("max_new_tokens", own) != own:
+            raise ValueError(f"max_new_tokens: the critic passed writes {own} tokens: set it there")
         if generate_kwargs.get("temperature", 0) in (None, 0):
             generate_kwargs.pop("temperature", None)
         if generate_kwargs:  # sampling, stops, penalties: Self-RAG scores its greedy decodes

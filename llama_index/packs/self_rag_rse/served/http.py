@@ -308,29 +308,19 @@ class JSONClient:
             raise error(message, url, status, text)
 
     def _redirect(self, method: str, path: str, response: httpx.Response) -> ServerRedirect:
-        url = self.url(path)
-        status = response.status_code
-        header = response.headers.get("location")
-        if not header:
-            return ServerRedirect(
-                f"{method} {url} answered HTTP {status} (a redirect) with no Location: point "
-                "base_url at the server's final URL (redirects are not followed)",
-                url,
-                status,
-                None,
-            )
+        url, status = self.url(path), response.status_code
+        if not (header := response.headers.get("location")):
+            why = f"{method} {url} answered HTTP {status} (a redirect) with no Location: point "
+            why += "base_url at the server's final URL (redirects are not followed)"
+            return ServerRedirect(why, url, status, None)
         location = urljoin(url, header)
         # The base URL that reaches the same path directly, when the target keeps the path.
         target = location.split("?", 1)[0].split("#", 1)[0]
         suffix = "/" + path.lstrip("/")
         base = target[: -len(suffix)] if target.endswith(suffix) else target
-        return ServerRedirect(
-            f"{method} {url} answered HTTP {status}, a redirect to {location}: redirects are not "
-            f"followed; point base_url at {base} (the final URL) instead",
-            url,
-            status,
-            location,
-        )
+        why = f"{method} {url} answered HTTP {status}, a redirect to {location}: redirects are not "
+        why += f"followed; point base_url at {base} (the final URL) instead"
+        return ServerRedirect(why, url, status, location)
 
     def close(self) -> None:
         """Close the connections of every loop (a later request opens new ones)."""

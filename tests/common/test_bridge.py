@@ -9,7 +9,13 @@ import threading
 
 import pytest
 
-from llama_index.packs.self_rag_rse.common.bridge import SerialWorker, adrive, drive, run_sync
+from llama_index.packs.self_rag_rse.common.bridge import (
+    SerialWorker,
+    adrive,
+    drive,
+    iterate_sync,
+    run_sync,
+)
 from llama_index.packs.self_rag_rse.common.notes import collect_notes, record_note
 
 
@@ -121,3 +127,26 @@ def test_notes_reach_only_the_collecting_caller():
         return await asyncio.gather(task("1"), task("2"))
 
     assert asyncio.run(main()) == [[("1", "1")], [("2", "2")]]
+
+
+def test_a_sync_stream_closed_on_the_loops_own_thread_closes_its_async_stream():
+    # The garbage collector may finalize an abandoned sync stream on the private loop's thread;
+    # closing it there called run_sync from inside the loop, which refuses: the stream was left
+    # open and "a synchronous method was called from inside its own async work" was printed.
+    closed = threading.Event()
+
+    async def pieces():
+        try:
+            yield "a"
+            yield "b"
+        finally:
+            closed.set()
+
+    stream = iterate_sync(pieces())
+    assert next(stream) == "a"
+
+    async def close_here() -> None:
+        stream.close()
+
+    run_sync(close_here())
+    assert closed.wait(5)

@@ -58,6 +58,8 @@ class _LoopThread:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        #: Streams being closed on the loop (:func:`iterate_sync`).
+        self.closing: set[asyncio.Future[Any]] = set()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         loop = self._ensure()
@@ -119,7 +121,11 @@ def iterate_sync(stream: AsyncIterator[T]) -> Iterator[T]:
     finally:
         # A stream left unread until the interpreter exits: the loop's thread is frozen by then.
         if (close := getattr(stream, "aclose", None)) is not None and not sys.is_finalizing():
-            run_sync(close())
+            if threading.current_thread() is _LOOP._thread:  # collected on the loop's own thread
+                (task := asyncio.ensure_future(close())).add_done_callback(_LOOP.closing.discard)
+                _LOOP.closing.add(task)  # held until done: a loop keeps weak references only
+            else:
+                run_sync(close())
 
 
 #: Blocking retrievals, postprocessors and store reads. Not the loop's default pool (the CPU
@@ -150,16 +156,13 @@ class SerialWorker:
 
     async def run(self, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
         """Run ``func(*args, **kwargs)`` on the worker thread and await its result."""
-        loop = asyncio.get_running_loop()
         call = functools.partial(contextvars.copy_context().run, func, *args, **kwargs)
-        return await loop.run_in_executor(self._ensure(), call)
+        return await asyncio.get_running_loop().run_in_executor(self._ensure(), call)
 
     def _ensure(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
             if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix=self._name
-                )
+                self._executor = concurrent.futures.ThreadPoolExecutor(1, self._name)
             return self._executor
 
     def close(self) -> None:

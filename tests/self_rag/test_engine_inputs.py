@@ -74,6 +74,9 @@ def test_non_finite_weights_are_rejected(make_engine, name, value):
         ("w_rel", False, "w_rel must be a number, got False"),
         ("max_retrieval_rounds", 0, "max_retrieval_rounds must be at least 1"),
         ("beam_width", 0, "beam_width must be at least 1"),
+        # Read as no regeneration (-3) and as 1 (True) without a word.
+        ("max_regenerations", -3, "max_regenerations\n.*greater than or equal to 0"),
+        ("max_regenerations", True, "max_regenerations must be a number, got True"),
         ("mode", "sometimes", "mode"),
         ("segment_retrieval", "each", "segment_retrieval"),
         ("long_form", True, r"needs a Self-RAG model.*long_form=False"),

@@ -295,3 +295,39 @@ def test_engine_from_args_with_block_closes_the_model_it_loaded(
         llama = engine.critic.llm  # type: ignore[attr-defined]
         engine.query("q")
     assert compat.is_closed(llama)
+
+
+#: A long-form engine queried after its model was closed. argv: the GGUF's path.
+CLOSED_LONG_FORM_SCRIPT = """
+import sys
+
+from retrievers import FixedRetriever
+
+from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
+
+engine = SelfRAGQueryEngine(
+    sys.argv[1], FixedRetriever(), model_kwargs={"n_ctx": 1024, "n_threads": 1},
+    long_form=True, mode="always_retrieve", max_new_tokens=8,
+)
+engine.close()
+try:
+    engine.query("What does the while statement do?")
+except Exception as error:
+    print("raised:", type(error).__name__)
+"""
+
+
+def test_a_long_form_query_after_the_model_was_closed_raises_not_crashes(
+    long_form_ggufs: dict[str, Path],
+) -> None:
+    # The long form tokenized the prompt outside the decoder's worker, which checks the model
+    # is open: with mode="always_retrieve" nothing else looked first, and llama.cpp read the
+    # freed model's vocabulary (a segmentation fault).
+    tests = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", CLOSED_LONG_FORM_SCRIPT, str(long_form_ggufs["user_defined"])],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "raised: ModelClosedError" in done.stdout

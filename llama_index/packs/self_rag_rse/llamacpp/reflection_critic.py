@@ -225,8 +225,9 @@ class ReflectionCritic(BaseCritic):
     writes_segments = True
 
     async def astart_path(self, query: str) -> tuple[int, ...]:
-        """The prompt's tokens: where every long-form path starts."""
-        return tuple(self._prompt(query))
+        """The prompt's tokens: where every long-form path starts (tokenized on the worker,
+        which checks the model is open and holds it so: a closed model's vocabulary crashes)."""
+        return tuple(await self._worker.run(self._prompt, query))
 
     @dispatcher.span
     async def awrite_segments(

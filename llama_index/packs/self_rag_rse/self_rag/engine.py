@@ -150,7 +150,7 @@ class SelfRAGQueryEngine(CustomQueryEngine):
         default=0.0, description="The chosen answer's utility below this triggers a rewrite."
     )
     max_retrieval_rounds: int = Field(default=3, description="Retrievals per query, all told.")
-    max_regenerations: int = Field(default=1, description="Regenerations of the chosen answer.")
+    max_regenerations: int = Field(default=1, ge=0, description="Regenerations of the best answer.")
     title_key: str | list[str] | None = Field(
         default=list(DEFAULT_TITLE_KEYS),
         description=(
@@ -252,7 +252,7 @@ class SelfRAGQueryEngine(CustomQueryEngine):
             raise ValueError(f"{info.field_name} must be in {scale}, got {value}")
         return value
 
-    @field_validator(*_NUMBERS, *_COUNTS, mode="before")
+    @field_validator(*_NUMBERS, *_COUNTS, "max_regenerations", mode="before")
     @classmethod
     def _not_a_bool(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, bool):  # pydantic would read True as 1

@@ -130,6 +130,8 @@ def suspect_offsets(texts: Sequence[str], spans: Sequence[Span]) -> list[bool]:
         elif shift > 0:
             covered = min(shift, len(right))
             agrees = right[:covered] == left[len(left) - shift : len(left) - shift + covered]
+            # Repeated text: a shorter overlap fits too (the splitter may have found a copy).
+            agrees = agrees and not _overlaps(right[1:covered], right[:covered])
         else:
             # A gap cannot be checked against the texts: the end of one chunk may well be
             # repeated at the start of the next ("... | name" then "name ::= ...").
@@ -280,16 +282,15 @@ def _filler(width: int) -> str:
 
 
 def _text_overlap(left: str, right: str) -> int:
-    """Length of the longest suffix of ``left`` that is a prefix of ``right`` (0 if too short)."""
-    longest = min(len(left), len(right))
-    if longest < MIN_TEXT_OVERLAP:
-        return 0
-    # Only places where right's first MIN_TEXT_OVERLAP characters occur can start an overlap;
-    # the leftmost one that matches to the end of ``left`` is the longest.
-    probe = right[:MIN_TEXT_OVERLAP]
-    at = left.find(probe, len(left) - longest)
-    while at != -1:
+    """The one overlap :func:`_overlaps` finds; 0 for none or several (repeated text)."""
+    found = _overlaps(left, right)
+    return found[0] if len(found) == 1 else 0
+
+
+def _overlaps(left: str, right: str) -> list[int]:
+    """Lengths of ``left``'s suffixes (MIN_TEXT_OVERLAP at least) that begin ``right``."""
+    probe, found, at = right[:MIN_TEXT_OVERLAP], [], max(0, len(left) - len(right)) - 1
+    while len(probe) == MIN_TEXT_OVERLAP and (at := left.find(probe, at + 1)) != -1:
         if right.startswith(left[at:]):
-            return len(left) - at
-        at = left.find(probe, at + 1)
-    return 0
+            found.append(len(left) - at)
+    return found

@@ -55,6 +55,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	# The size rules (statements, module length, no formatter opt-outs): docs/contributing.md.
+	$(BIN)/python scripts/check_size.py
 
 test: lint check-install llama-server test-core-$(OLD_CORE)
 	$(BIN)/pytest -q $(PYTEST_ARGS)

@@ -109,14 +109,14 @@ def paragraphs(k: int, words: int = 100) -> list[str]:
 def run_child(args: argparse.Namespace) -> dict[str, Any]:
     import llama_cpp
 
-    from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
-    from llama_index.packs.self_rag_rse.self_rag.reflection import (
+    from llama_index.packs.self_rag_rse.critic.reflection import (
         PARAGRAPH_CLOSE,
         PARAGRAPH_OPEN,
         RETRIEVAL,
         logprobs_from_top_dicts,
         score_generation,
     )
+    from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
 
     variant, k, n_new = args.child, args.k, args.max_new_tokens
     llm = llama_cpp.Llama(

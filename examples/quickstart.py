@@ -119,7 +119,8 @@ def model_file(args: argparse.Namespace) -> Path:
 def placeholder_self_rag(args: argparse.Namespace) -> Path:
     """The bundled SmolLM2 with Self-RAG's 15 tokens appended (written once under --storage), a
     placeholder for --long-form offline: it was never taught to reflect, so its scores are
-    noise; ``[Retrieval]`` takes the place of ``"."``, so each sentence is a segment."""
+    noise; ``[Retrieval]`` takes the place of ``"."``, so each sentence is a segment.
+    """
     sys.path.insert(0, str(HERE.parent / "tests"))  # tiny_gguf.py, the tests' GGUF writer
     from tiny_gguf import add_self_rag_tokens
 

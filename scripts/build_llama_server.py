@@ -236,7 +236,8 @@ def build_in_full(sdist: Path, version: str, work: Path, s: Settings) -> Path:
 
 def check_runs(binary: Path) -> None:
     """Step 5a: the binary must start and answer ``--version``. This catches missing libraries
-    and instructions that this CPU lacks."""
+    and instructions that this CPU lacks.
+    """
     result = subprocess.run([str(binary), "--version"], capture_output=True, text=True, check=False)
     if result.returncode != 0:
         output = (result.stdout + result.stderr).strip()[-2000:]

@@ -72,7 +72,8 @@ def fresh_venv(where: Path, wheel: Path) -> Path:
 
 def _guarded(node: ast.Try) -> bool:
     """Whether a ``try`` catches ImportError: what it imports is optional by design (e.g. an
-    older core's module)."""
+    older core's module).
+    """
     names = {"ImportError", "ModuleNotFoundError"}
     for handler in node.handlers:
         caught = handler.type
@@ -84,7 +85,8 @@ def _guarded(node: ast.Try) -> bool:
 
 def _imported_modules(package_dir: Path) -> dict[str, set[str]]:
     """Top-level modules imported anywhere in the package -> the files importing them
-    (imports inside a ``try`` that catches ImportError are left out)."""
+    (imports inside a ``try`` that catches ImportError are left out).
+    """
     found: dict[str, set[str]] = {}
     for path in package_dir.rglob("*.py"):
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))

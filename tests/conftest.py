@@ -55,7 +55,8 @@ def tiny_gguf_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 @pytest.fixture(scope="session")
 def talkative_gguf(tiny_gguf_paths: dict[str, Path]) -> Path:
     """A tiny Self-RAG model (seed 6, USER_DEFINED tokens) whose no-evidence answers have some
-    length: seed 0 answers them with reflection tokens only."""
+    length: seed 0 answers them with reflection tokens only.
+    """
     from tiny_gguf import write_tiny_gguf
 
     return write_tiny_gguf(tiny_gguf_paths["user_defined"].with_name("talkative.gguf"), seed=6)
@@ -64,7 +65,8 @@ def talkative_gguf(tiny_gguf_paths: dict[str, Path]) -> Path:
 @pytest.fixture(scope="session")
 def long_form_ggufs(tiny_gguf_paths: dict[str, Path]) -> dict[str, Path]:
     """Tiny Self-RAG models (seed 3) whose answers go on after their utility token, so that
-    long-form answers have several segments; keyed by typing (control, user_defined)."""
+    long-form answers have several segments; keyed by typing (control, user_defined).
+    """
     from tiny_gguf import write_tiny_gguf
 
     folder = tiny_gguf_paths["user_defined"].parent
@@ -277,7 +279,8 @@ def llama_server(
     tiny_gguf_paths: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Any]:
     """``llama_server(typing)``: a llama-server on that tiny GGUF (or on the GGUF at a path),
-    started on first use and stopped when the session ends."""
+    started on first use and stopped when the session ends.
+    """
     running: dict[str | Path, LlamaServer] = {}
     logs = tmp_path_factory.mktemp("llama_server")
 

@@ -83,7 +83,8 @@ class ScriptedLLM(CustomLLM):
 
 class BlockingCritic(BaseCritic):
     """A test critic written with blocking ``decide_retrieval``, ``judge`` and ``generate``
-    (subclasses define them); the async methods call them."""
+    (subclasses define them); the async methods call them.
+    """
 
     async def adecide_retrieval(
         self, query: str, threshold: float | None, answer_if_skipped: bool = True

@@ -1,5 +1,6 @@
 """A model server the tests start on 127.0.0.1 and a free port, wait for, and stop: shared by
-llama.cpp's ``llama-server`` (top conftest) and llama-cpp-python's server (tests/served)."""
+llama.cpp's ``llama-server`` (top conftest) and llama-cpp-python's server (tests/served).
+"""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def free_port() -> int:
 
 class ServerProcess:
     """``command`` running with its output in ``log``, ready once ``url + ready_path`` answers
-    200 (at most 60 s, else the test fails with the log's tail)."""
+    200 (at most 60 s, else the test fails with the log's tail).
+    """
 
     def __init__(
         self, name: str, command: Sequence[str], url: str, ready_path: str, log: Path

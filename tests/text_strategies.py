@@ -1,5 +1,6 @@
 """What the RSE property tests share: random texts made of awkward words and separators, and the
-comparison of stitched text with its source."""
+comparison of stitched text with its source.
+"""
 
 from __future__ import annotations
 

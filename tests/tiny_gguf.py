@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from llama_index.packs.self_rag_rse.self_rag.reflection import (
+from llama_index.packs.self_rag_rse.critic.reflection import (
     FULLY_SUPPORTED,
     GROUNDING_TOKENS,
     IRRELEVANT,

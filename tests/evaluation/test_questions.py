@@ -1,5 +1,6 @@
 """The question set (JSON lines, every bad line reported), evidence recall/precision (pure), and
-placing retrieved nodes in their documents."""
+placing retrieved nodes in their documents.
+"""
 
 from __future__ import annotations
 

@@ -49,7 +49,8 @@ class Metric(BaseEvaluator):
 class CountingJudge(dict):
     """``length`` = answer length / 100, ``constant`` = 1; fails where ``failing`` says.
 
-    A dict ``{metric: evaluator}`` (what ``evaluate`` takes) that also counts the calls."""
+    A dict ``{metric: evaluator}`` (what ``evaluate`` takes) that also counts the calls.
+    """
 
     def __init__(
         self,

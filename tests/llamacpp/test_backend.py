@@ -1,5 +1,6 @@
 """LlamaCppBackend's paragraph judgement on a tiny F32 model: reading each paragraph once for the
-four questions gives the judgements of separate decodes, to 1e-5."""
+four questions gives the judgements of separate decodes, to 1e-5.
+"""
 
 from __future__ import annotations
 
@@ -14,14 +15,14 @@ from typing import Any
 import pytest
 
 from llama_index.packs.self_rag_rse import CriticBackend, LlamaCppBackend
-from llama_index.packs.self_rag_rse.self_rag.backend import (
+from llama_index.packs.self_rag_rse.critic.backend import (
     Generated,
     JudgementPrompts,
     ParagraphResult,
     Scored,
 )
-from llama_index.packs.self_rag_rse.self_rag.prompted_critic import _judgement
-from llama_index.packs.self_rag_rse.self_rag.prompts import DEFAULT_PROMPTS
+from llama_index.packs.self_rag_rse.critic.prompted_critic import _judgement
+from llama_index.packs.self_rag_rse.critic.prompts import DEFAULT_PROMPTS
 
 QUERY = "What is the capital of France?"
 PARAGRAPHS = [
@@ -43,7 +44,8 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def digits_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """The tiny model with pieces for the utility digits ("▁1".."▁5"): the critic's label words
-    must start with tokens of their own."""
+    must start with tokens of their own.
+    """
     import llama_cpp
     import tiny_gguf
 
@@ -121,13 +123,14 @@ def test_the_contract_default_gives_the_same_judgements(digits_llm: Any) -> None
 
 def test_labels_after_a_whitespace_token_are_read_after_it(tmp_path: Path) -> None:
     """A SentencePiece vocabulary without "▁1".."▁5" (as Llama-2's and Mistral's) spells the
-    utility digits "▁", "1": each is read from the logits after the prompt and "▁", to 1e-5."""
+    utility digits "▁", "1": each is read from the logits after the prompt and "▁", to 1e-5.
+    """
     import llama_cpp
     import numpy as np
     import tiny_gguf
 
-    from llama_index.packs.self_rag_rse.self_rag.backend import prompt_values
-    from llama_index.packs.self_rag_rse.self_rag.labels import UTILITY_SCALE
+    from llama_index.packs.self_rag_rse.critic.backend import prompt_values
+    from llama_index.packs.self_rag_rse.critic.labels import UTILITY_SCALE
 
     path = tmp_path / "plain.gguf"
     tiny_gguf.write_tiny_gguf(path, typing="none")

@@ -1,5 +1,6 @@
 """Conversations on the tiny F32 model: the KV cache carries over between calls, and results
-are those of evaluating every prompt whole (``share_prefixes=False``) to 1e-5."""
+are those of evaluating every prompt whole (``share_prefixes=False``) to 1e-5.
+"""
 
 from __future__ import annotations
 

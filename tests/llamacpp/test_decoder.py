@@ -9,16 +9,16 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from llama_index.packs.self_rag_rse.llamacpp import compat
-from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder
-from llama_index.packs.self_rag_rse.llamacpp.sequences import Request, SequenceOutput
-from llama_index.packs.self_rag_rse.self_rag.reflection import (
+from llama_index.packs.self_rag_rse.critic.reflection import (
     NO_RETRIEVAL,
     PARAGRAPH_CLOSE,
     PARAGRAPH_OPEN,
     REFLECTION_TOKENS,
     RETRIEVAL,
 )
+from llama_index.packs.self_rag_rse.llamacpp import compat
+from llama_index.packs.self_rag_rse.llamacpp.decoder import BatchedDecoder
+from llama_index.packs.self_rag_rse.llamacpp.sequences import Request, SequenceOutput
 
 PARAGRAPHS = [
     "Paris is the capital and largest city of France.",

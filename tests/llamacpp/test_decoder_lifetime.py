@@ -65,7 +65,8 @@ def assert_same(a: list[SequenceOutput], b: list[SequenceOutput]) -> None:
 class PausingDecode:
     """Stands in for ``llama_cpp.llama_decode`` and counts calls: the ``pause_at``-th call signals
     ``reached`` and waits before decoding, so that another thread acts while a decode is in
-    flight. It waits ``pause_s`` seconds, or until ``until()`` holds (at most JOIN_TIMEOUT)."""
+    flight. It waits ``pause_s`` seconds, or until ``until()`` holds (at most JOIN_TIMEOUT).
+    """
 
     def __init__(
         self,
@@ -302,7 +303,8 @@ def test_a_decoder_collected_with_its_llama_frees_its_context_before_the_model(
 
 class LimitedContexts:
     """Stands in for ``llama_cpp.llama_init_from_model``: returns NULL (None), as llama.cpp does
-    when the KV cache does not fit in memory, for contexts of more than ``limit`` cells."""
+    when the KV cache does not fit in memory, for contexts of more than ``limit`` cells.
+    """
 
     def __init__(self, limit: int) -> None:
         self.real = llama_cpp.llama_init_from_model

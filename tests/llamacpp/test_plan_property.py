@@ -1,6 +1,7 @@
 """The planner on random prompt sets: whatever it shares, holds or hands between runs, every
 prompt's tokens are its held prefix and the tokens of the edges down to its own, each edge at
-the positions it sits at."""
+the positions it sits at.
+"""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from llama_index.packs.self_rag_rse import BaseCritic, ParagraphJudgement, ReflectionCritic
-from llama_index.packs.self_rag_rse.self_rag.reflection import (
+from llama_index.packs.self_rag_rse.critic.reflection import (
     FULLY_SUPPORTED,
     GROUNDING_TOKENS,
     IRRELEVANT,
@@ -59,7 +59,8 @@ def critic(tiny_llm: Any, request: pytest.FixtureRequest) -> Any:
 @pytest.fixture(scope="module", params=[None, True], ids=["default_kv", "unified_kv"])
 def talkative_critic(talkative_llm: Any, request: pytest.FixtureRequest) -> Any:
     """The critic on the talkative model, in both KV layouts: the tiny model's answers after
-    [No Retrieval] are empty, so checks of them would compare '' with ''."""
+    [No Retrieval] are empty, so checks of them would compare '' with ''.
+    """
     c = ReflectionCritic(talkative_llm, max_new_tokens=30, n_seq_max=4, kv_unified=request.param)
     yield c
     c.close()
@@ -82,7 +83,8 @@ def ids(llm: Any, *texts: str) -> list[int]:
 def answer_of(llm: Any, tokens: list[int]) -> str:
     """The answer in generated ``tokens`` read from their text, as Self-RAG's own code reads
     it: the evidence the model quotes (``<paragraph>...</paragraph>``), the Self-RAG strings
-    and the end-of-sequence text removed. An oracle independent of the critic's token filter."""
+    and the end-of-sequence text removed. An oracle independent of the critic's token filter.
+    """
     text = llm.detokenize(tokens, special=True).decode("utf-8", errors="ignore")
     text = re.sub(r"<paragraph>.*?(</paragraph>|$)", "", text, flags=re.S)
     eos = llm.detokenize([llm.token_eos()], special=True).decode("utf-8", errors="ignore")

@@ -1,5 +1,6 @@
 """The streamed text of llama.cpp answers (``llamacpp/worker.py``): pieces that join to exactly
-the non-streamed answer, each token detokenized once."""
+the non-streamed answer, each token detokenized once.
+"""
 
 from __future__ import annotations
 

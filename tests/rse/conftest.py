@@ -48,14 +48,16 @@ def _doc_nodes(doc_id: str, n: int, *, indexed: bool = True, text_len: int = 20)
 @pytest.fixture(scope="session")
 def doc_nodes() -> Callable[..., list[TextNode]]:
     """``doc_nodes(doc_id, n, indexed=True, text_len=20)``: n consecutive synthetic chunks of one
-    document with exact offsets, NEXT/PREVIOUS links and (optionally) chunk indices."""
+    document with exact offsets, NEXT/PREVIOUS links and (optionally) chunk indices.
+    """
     return _doc_nodes
 
 
 @pytest.fixture(scope="session")
 def docstore_with() -> Callable[[list[Any]], SimpleDocumentStore]:
     """``docstore_with(nodes)``: a SimpleDocumentStore holding ``nodes``, recording per document
-    which nodes it has (``get_ref_doc_info``), as an index's docstore does."""
+    which nodes it has (``get_ref_doc_info``), as an index's docstore does.
+    """
 
     def build(nodes: list[Any]) -> SimpleDocumentStore:
         store = SimpleDocumentStore()
@@ -74,7 +76,8 @@ def source_text() -> Callable[[str], str]:
 @pytest.fixture(scope="session")
 def split() -> Callable[..., list[Any]]:
     """``split(chunk_size, chunk_overlap, name="execmodel")``: one corpus document cut by the real
-    SentenceSplitter (offsets and NEXT/PREVIOUS links as LlamaIndex sets them), not embedded."""
+    SentenceSplitter (offsets and NEXT/PREVIOUS links as LlamaIndex sets them), not embedded.
+    """
     from llama_index.core.node_parser import SentenceSplitter
 
     def run(chunk_size: int, chunk_overlap: int, name: str = "execmodel") -> list[Any]:

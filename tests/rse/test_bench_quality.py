@@ -1,5 +1,6 @@
 """The retrieval benchmark's scoring and the converter of Chroma's chunking evaluation set:
-several gold excerpts per question, IoU next to recall and precision."""
+several gold excerpts per question, IoU next to recall and precision.
+"""
 
 from __future__ import annotations
 

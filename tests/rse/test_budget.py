@@ -104,7 +104,8 @@ def test_equals_brute_force(seed):
 @pytest.mark.parametrize("seed", range(200))
 def test_fill_never_exceeds_and_never_duplicates(seed):
     """Property: random lengths and overlaps; the filled runs never cost more than the budget,
-    never overlap, and every candidate that fits on its own is in."""
+    never overlap, and every candidate that fits on its own is in.
+    """
     rng = np.random.default_rng(1000 + seed)
     n = int(rng.integers(1, 30))
     values = rng.normal(0.0, 0.5, n)
@@ -209,7 +210,8 @@ def test_a_bad_least_piece_is_named(least):
 @pytest.mark.parametrize("seed", range(20))
 def test_a_budget_beyond_every_choice_changes_nothing_and_costs_no_memory(seed):
     """The search's arrays grow with the budget only up to what the candidates can cost: the
-    largest budget returns what the exact cost of everything returns, in little memory."""
+    largest budget returns what the exact cost of everything returns, in little memory.
+    """
     import tracemalloc
 
     rng = np.random.default_rng(seed)
@@ -257,7 +259,8 @@ def test_a_weak_one_chunk_segment_gives_its_room_to_a_piece_of_a_better_hit():
 @pytest.mark.parametrize("seed", range(100))
 def test_a_fill_with_pieces_never_exceeds_and_keeps_the_searched_segments(seed):
     """Property: with ``least_piece``, only a one-chunk segment of a candidate ranked below the
-    piece's is ever given up; the cost stays within the budget and no chunk is taken twice."""
+    piece's is ever given up; the cost stays within the budget and no chunk is taken twice.
+    """
     rng = np.random.default_rng(5000 + seed)
     n = int(rng.integers(1, 30))
     values = rng.normal(0.0, 0.5, n)

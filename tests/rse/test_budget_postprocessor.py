@@ -55,7 +55,8 @@ def test_budget_is_never_exceeded_and_text_is_never_repeated(
     words, chunk_size, overlap, headers, picks, budget, tokens
 ):
     """Property: random texts, chunk lengths and overlaps, optional headers: the LLM text of
-    what comes back fits the budget, is the source text, and covers no character twice."""
+    what comes back fits the budget, is the source text, and covers no character twice.
+    """
     from llama_index.core import Document
     from llama_index.core.node_parser import SentenceSplitter
     from llama_index.core.storage.docstore import SimpleDocumentStore
@@ -98,7 +99,8 @@ def test_budget_is_never_exceeded_and_text_is_never_repeated(
 @pytest.mark.parametrize("budget", [600, 1500, 3000, 6000])
 def test_budget_on_the_real_corpus_fills_like_top_k(indexed, budget):
     """On real chunks, MiniLM hits and Qdrant reads: the budget holds, and RSE returns at least
-    the characters top-k would put in the same budget (less one chunk, which may not fit)."""
+    the characters top-k would put in the same budget (less one chunk, which may not fit).
+    """
     hits = indexed.as_retriever(similarity_top_k=20).retrieve(QUERY)
     rse = RelevantSegmentPostprocessor(index=indexed, max_context_chars=budget)
     result = rse.postprocess_nodes(hits)
@@ -206,7 +208,8 @@ def test_budget_options_are_checked_when_set_after_construction():
 
 def test_the_largest_token_budget_runs_whatever_the_tokenizer(doc_nodes, docstore_with):
     """The bound is checked at construction in tokens; a query never meets the search's own
-    bound, even where a token is far longer than the default estimate's four characters."""
+    bound, even where a token is far longer than the default estimate's four characters.
+    """
     nodes = doc_nodes("d", 6, text_len=100)
     rse = RelevantSegmentPostprocessor(
         docstore=docstore_with(nodes), max_context_tokens=2_500_000, tokenizer=str.split
@@ -218,7 +221,8 @@ def test_the_largest_token_budget_runs_whatever_the_tokenizer(doc_nodes, docstor
 @pytest.mark.parametrize("max_length", [1, 3])
 def test_max_length_bounds_every_segment_under_a_budget(doc_nodes, docstore_with, max_length):
     """Twelve adjacent hits and room for all: no segment is longer than max_length, the fill
-    included, and none repeats text (segments never touch)."""
+    included, and none repeats text (segments never touch).
+    """
     nodes = doc_nodes("d", 12, text_len=100)
     hits = [NodeWithScore(node=n, score=0.9 - i / 100) for i, n in enumerate(nodes)]
     rse = RelevantSegmentPostprocessor(
@@ -232,7 +236,8 @@ def test_max_length_bounds_every_segment_under_a_budget(doc_nodes, docstore_with
 
 def test_offsets_cost_a_segment_exactly_before_its_gap_is_read(doc_nodes, docstore_with):
     """Hits 0 and 3, chunks 1 and 2 unread: the segment's cost comes from the hits' offsets, so
-    a budget of exactly its length takes it whole in one search (one read, no second round)."""
+    a budget of exactly its length takes it whole in one search (one read, no second round).
+    """
     nodes = doc_nodes("d", 8, text_len=100)
     store = docstore_with(nodes)
     # Each hit alone is worth less than minimum_value 0.5; bridged, they are worth more.
@@ -259,7 +264,8 @@ def test_a_tokenizer_returning_a_mapping_is_named(doc_nodes, docstore_with):
 
 def test_without_a_budget_the_search_is_dsrags(indexed):
     """No budget: the segments are exactly dsRAG 0.5.6's get_best_segments on the values the
-    postprocessor laid out (the budget is a mode on top, not a change of the default)."""
+    postprocessor laid out (the budget is a mode on top, not a change of the default).
+    """
     import importlib.metadata
     import importlib.util
 
@@ -294,7 +300,8 @@ def test_async_equals_sync_under_a_budget(indexed):
 def test_a_wrong_token_estimate_drops_then_refills(doc_nodes, docstore_with):
     """The search spends characters at the hits' average characters per token; where one hit
     is far denser in tokens, the nodes built overrun the token limit. The correction drops the
-    least valuable segments until the rest fits, then adds back the best hits that fit alone."""
+    least valuable segments until the rest fits, then adds back the best hits that fit alone.
+    """
     nodes = doc_nodes("d", 6, text_len=100)
     for node, fill in zip(nodes, "xyyyyy", strict=True):
         node.set_content(fill * 100)  # 'x' costs a token a character, 'y' one per 50
@@ -321,7 +328,8 @@ def test_keep_top_hits_never_trades_the_best_hit_for_a_run_of_neighbours(doc_nod
     """A run of four slightly weaker hits in one document fills the budget exactly and is
     worth more than the best hit with two of them: the search takes the run and the best hit
     is lost (keep_top_hits=0). The default, keep_top_hits=1, keeps it and spends what is left
-    on the run."""
+    on the run.
+    """
     best = doc_nodes("a", 1, text_len=150)
     run = doc_nodes("b", 4, text_len=100)
     hits = [NodeWithScore(node=best[0], score=0.6)] + [
@@ -344,7 +352,8 @@ def test_under_a_budget_a_pair_of_weaker_hits_does_not_displace_the_next_hit(
 ):
     """Hit 2 (150 characters, worth 0.55) against hits 3 and 4, adjacent, worth 0.66
     together: with minimum_value 0.5 the search may take the pair, and hit 2 is lost. Under a
-    budget the default minimum is 1.0: the pair is left to the fill, which goes in rank order."""
+    budget the default minimum is 1.0: the pair is left to the fill, which goes in rank order.
+    """
     best, second = doc_nodes("a", 1, text_len=100), doc_nodes("b", 1, text_len=150)
     pair = doc_nodes("c", 2, text_len=100)
     hits = [NodeWithScore(node=best[0], score=0.9), NodeWithScore(node=second[0], score=0.61)]
@@ -386,7 +395,8 @@ def _worded_chunks(n: int, overlap: int = 0) -> tuple[str, list[TextNode]]:
 @pytest.mark.parametrize("partial_fill", [True, False])
 def test_what_a_budget_has_left_goes_to_part_of_the_next_hit(docstore_with, partial_fill):
     """The best hit fits whole; the next one, far from it, only in part: with partial_fill its
-    first words fill what is left (cut at a word boundary, marked), else nothing does."""
+    first words fill what is left (cut at a word boundary, marked), else nothing does.
+    """
     text, nodes = _worded_chunks(12)
     first, second = nodes[1], nodes[8]
     hits = [NodeWithScore(node=first, score=0.9), NodeWithScore(node=second, score=0.8)]
@@ -417,7 +427,8 @@ def test_what_a_budget_has_left_goes_to_part_of_the_next_hit(docstore_with, part
 def test_text_without_spaces_is_cut_between_characters(docstore_with, unit):
     """No space to cut at (CJK, base64, a letter and its combining accent; one space near the
     start only): the piece is cut before a character, never inside one with its marks; once, no
-    piece and no context came back."""
+    piece and no context came back.
+    """
     text = unit * (6000 // len(unit))
     node = TextNode(
         id_="nospace-0", text=text, start_char_idx=0, end_char_idx=len(text),
@@ -434,7 +445,8 @@ def test_text_without_spaces_is_cut_between_characters(docstore_with, unit):
 
 def test_a_segment_over_several_sections_pays_for_its_longer_header(doc_nodes, docstore_with):
     """A segment's header names every section it spans: the search prices each one, so the
-    segment fits as built (it once was dropped whole, and a larger budget returned less)."""
+    segment fits as built (it once was dropped whole, and a larger budget returned less).
+    """
     nodes = doc_nodes("doc", 10, text_len=207)
     for i, node in enumerate(nodes):
         node.metadata[DOCUMENT_TITLE_KEY] = "Doc"
@@ -456,7 +468,8 @@ def test_a_segment_over_several_sections_pays_for_its_longer_header(doc_nodes, d
 
 def test_a_header_measured_on_text_ending_in_a_space_is_not_short(doc_nodes, docstore_with):
     """The LLM text is stripped, so a chunk ending in a space once measured its header one
-    character short; every piece then missed the budget and was cut again at 90%."""
+    character short; every piece then missed the budget and was cut again at 90%.
+    """
     nodes = doc_nodes("doc", 6)
     for i, node in enumerate(nodes):
         node.set_content(f"chunk{i} " + "word " * 78)
@@ -501,7 +514,8 @@ def test_a_piece_next_to_a_segment_continues_it_without_its_overlap(docstore_wit
 def test_a_piece_of_a_better_hit_takes_the_room_of_a_weaker_whole_one(docstore_with):
     """Top-k's advantage at a small budget: the third hit does not fit whole, a short weak hit
     does. The search works in whole chunks and would take the weak one; a piece of the better
-    hit is worth more, so the weak hit gives it its room."""
+    hit is worth more, so the weak hit gives it its room.
+    """
     _, nodes = _worded_chunks(12)
     scores = {1: 0.9, 10: 0.85, 20: 0.8, 25: 0.3, 4: 0.1, 6: 0.1, 14: 0.1, 16: 0.1}
     hits = [NodeWithScore(node=nodes[i], score=s) for i, s in scores.items()]

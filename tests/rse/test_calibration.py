@@ -143,7 +143,8 @@ def test_calibrate_beta_clips_then_maps() -> None:
 @pytest.fixture(scope="module")
 def dsrag_reranker() -> ModuleType:
     """dsRAG 0.5.6's reranker.py, loaded by path with its API-client imports stubbed (the
-    transforms need only scipy; the package's __init__ pulls heavy dependencies)."""
+    transforms need only scipy; the package's __init__ pulls heavy dependencies).
+    """
     path = importlib.metadata.distribution("dsrag").locate_file("dsrag/reranker.py")
     clients = ModuleType("dsrag.utils.imports")
     clients.cohere = clients.voyageai = None  # type: ignore[attr-defined]
@@ -221,7 +222,8 @@ def test_spread_ignores_the_embedders_scale_and_offset(
 ) -> None:
     """Best hit 1, median hit 0, in range, order kept; and a model scoring the same ranking on
     another scale (compressed cosines, say) gets the same relevance. (Scores on a grid of
-    hundredths: a scale or shift that rounds distinct scores together is another ranking.)"""
+    hundredths: a scale or shift that rounds distinct scores together is another ranking.)
+    """
     values = np.array(hundredths) / 100
     out = calibrate_spread(values)
     assert np.all((out >= 0.0) & (out <= 1.0))

@@ -35,7 +35,8 @@ def source_text(doc_id: str) -> str:
 
 def assert_true_text(result: list[NodeWithScore], text: str) -> None:
     """Every node reporting a character range holds exactly that span of ``text`` (only
-    whitespace a splitter stripped may differ in kind), and no node holds text ``text`` lacks."""
+    whitespace a splitter stripped may differ in kind), and no node holds text ``text`` lacks.
+    """
     for item in result:
         node = item.node
         char_range = node.metadata["segment_char_range"]
@@ -249,7 +250,8 @@ def test_a_generator_of_hits_gives_what_the_list_gives(doc_nodes, docstore_with)
 
 def test_a_node_given_twice_is_ranked_by_its_best_score(doc_nodes, docstore_with):
     """Two retrievers' lists joined: the weaker copy of the top hit came first and was kept, so
-    RSE dropped the top hit (only chunk 4 came back)."""
+    RSE dropped the top hit (only chunk 4 came back).
+    """
     nodes = doc_nodes("doc", 10)
     rse = RelevantSegmentPostprocessor(docstore=docstore_with(nodes), calibration="raw")
     hits = [NodeWithScore(node=nodes[2], score=0.9), NodeWithScore(node=nodes[4], score=0.8)]
@@ -551,7 +553,8 @@ def test_a_valid_option_set_after_construction_takes_effect(doc_nodes, docstore_
 def test_segment_ids_name_what_they_hold(doc_nodes):
     """Without a store, positions come from links among one call's hits (every call numbers
     from 0); a segment's id still names its chunks: different chunks, different ids; the same
-    chunks, the same id on every call."""
+    chunks, the same id on every call.
+    """
     nodes = doc_nodes("d", 12, indexed=False)
     rse = RelevantSegmentPostprocessor(calibration="raw")
 
@@ -755,7 +758,8 @@ def test_segments_are_the_source_text_for_any_text(words, chunk_size, overlap, s
 @pytest.mark.parametrize("budget", [None, 1000])
 def test_segments_that_do_not_touch_give_shared_text_once(budget):
     """A splitter overlap above half a chunk makes chunks 0 and 2 overlap: two segments that do
-    not touch shared text, given twice. The later one now starts where the earlier ends."""
+    not touch shared text, given twice. The later one now starts where the earlier ends.
+    """
     from llama_index.core import Document
     from llama_index.core.node_parser import SentenceSplitter
     from llama_index.core.storage.docstore import SimpleDocumentStore

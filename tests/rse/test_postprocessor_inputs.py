@@ -1,5 +1,6 @@
 """RelevantSegmentPostprocessor on stores that hold what they should not: two copies of a chunk,
-two versions of a document, chunk indices that are no positions, odd metadata values."""
+two versions of a document, chunk indices that are no positions, odd metadata values.
+"""
 
 from __future__ import annotations
 

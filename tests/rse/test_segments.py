@@ -80,7 +80,8 @@ def reference_numpy(
 ) -> Segments:
     """A second oracle for inputs too big for the brute force: every (start, length) window of
     every turn summed left to right with numpy, the best picked by lexsort. No bounds, no
-    incremental state."""
+    incremental state.
+    """
     n_queries, n = values.shape
     taken = np.zeros(n, dtype=bool)
     first_of_document = np.zeros(n, dtype=bool)
@@ -244,7 +245,8 @@ def test_matches_numpy_reference_across_blocks_and_scan_paths(
     kind: str, n: int, max_length: int
 ) -> None:
     """Sizes that take the search through several blocks of starts, and (massive ties on
-    40,000 chunks) through the contiguous exact scan, checked against the plain numpy oracle."""
+    40,000 chunks) through the contiguous exact scan, checked against the plain numpy oracle.
+    """
     rng = np.random.default_rng(n + max_length)
     if kind == "uniform":
         values = rng.uniform(-0.3, 0.6, (3, n))
@@ -421,7 +423,8 @@ def test_huge_max_length_does_not_allocate_by_it() -> None:
 
 def test_a_million_chunks_are_searched_from_the_usable_starts_only(monkeypatch) -> None:
     """What keeps a million chunks fast: exact segment sums start only at chunks worth >= 0
-    (the only chunks a segment may start on), each about once, never at every chunk."""
+    (the only chunks a segment may start on), each about once, never at every chunk.
+    """
     scanned: list[int] = []
     scan = segments_module._QueryState._scan
 

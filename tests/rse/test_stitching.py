@@ -151,7 +151,8 @@ def test_distrusted_offsets_are_ignored():
 @pytest.mark.parametrize("linked", [True, False])
 def test_empty_chunks_add_no_text(linked):
     """A chunk of no text neither joins nor breaks: once each one stood for a newline (and
-    made its neighbours' offsets suspect, losing the range)."""
+    made its neighbours' offsets suspect, losing the range).
+    """
     texts, spans = ["", "", "abc def", "", "ghi", ""], [(0, 0), (0, 0), (0, 7), (7, 7), (8, 11)]
     spans.append((11, 11))
     assert suspect_offsets(texts, spans) == [False] * 6

@@ -61,7 +61,8 @@ def paragraph_text(
     text: str, metadata: dict[str, Any], title_keys: Sequence[str] = DEFAULT_TITLE_KEYS
 ) -> str:
     """The text a passage is shown as: ``title + "\\n" + text`` when one of ``title_keys``
-    (first match wins) holds a non-empty value, else ``text``."""
+    (first match wins) holds a non-empty value, else ``text``.
+    """
     for key in title_keys:
         title = metadata.get(key)
         if title is not None and str(title).strip():
@@ -106,7 +107,8 @@ class _Model:
         self, context: list[int], max_new_tokens: int, stop: Callable[[int, np.ndarray], bool]
     ) -> tuple[list[int], list[np.ndarray]]:
         """Greedy tokens after ``context`` (the last one is the one ``stop`` accepted, unless the
-        limit came first) and the full-vocab log-prob row that produced each of them."""
+        limit came first) and the full-vocab log-prob row that produced each of them.
+        """
         llm = self.llm
         llm.reset()
         llm.eval(context)
@@ -138,7 +140,8 @@ class _Model:
 
     def text(self, tokens: Sequence[int]) -> str:
         """Answer text: no special ids, no generated <paragraph>...</paragraph>, no EOG tokens;
-        whitespace runs collapsed to one space, stripped."""
+        whitespace runs collapsed to one space, stripped.
+        """
         kept: list[int] = []
         quoting = False
         for token in tokens:

@@ -14,8 +14,8 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from scripted import BlockingCritic
 
 from llama_index.packs.self_rag_rse import ParagraphJudgement, RetrievalDecision, SelfRAGQueryEngine
+from llama_index.packs.self_rag_rse.critic.prompts import ENGINE_PROMPTS
 from llama_index.packs.self_rag_rse.self_rag.engine import NO_ANSWER
-from llama_index.packs.self_rag_rse.self_rag.prompts import ENGINE_PROMPTS
 
 QUESTION = "Who wrote the while statement?"
 PSEUDO_DOC = "A passage about loops."

@@ -435,7 +435,7 @@ class Breaking(Recording):
         return (1,)
 
     async def awrite_segments(self, branches, boundary_threshold):
-        from llama_index.packs.self_rag_rse.self_rag.contract import Continuation
+        from llama_index.packs.self_rag_rse.critic.contract import Continuation
 
         return [Continuation("a segment", 0.9, 0.9, 1.0, stop="eos")]  # one for three branches
 

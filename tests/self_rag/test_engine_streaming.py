@@ -1,5 +1,6 @@
 """The engine as LlamaIndex apps use engines: async on the README's sync-only Qdrant folder,
-streaming (sync and async), and chat, on real parts (tiny GGUF, Qdrant local mode, MiniLM)."""
+streaming (sync and async), and chat, on real parts (tiny GGUF, Qdrant local mode, MiniLM).
+"""
 
 from __future__ import annotations
 
@@ -148,7 +149,8 @@ def test_a_no_retrieval_answer_streams_token_by_token(talkative_llm: Any, make_e
 
 def test_the_prompted_critic_streams_through_its_llm() -> None:
     """An LLM that streams (here core's MockLLM, which echoes the prompt) streams the answer;
-    one that does not (ScriptedLLM) answers in one piece; both give the non-streamed text."""
+    one that does not (ScriptedLLM) answers in one piece; both give the non-streamed text.
+    """
     from llama_index.core.llms import MockLLM
     from scripted import ScriptedLLM
 

@@ -153,7 +153,8 @@ def test_chat_engines_stream_long_form_answers_with_their_sources(
     engine: Any, llm: Any, beam_width: int
 ) -> None:
     """Core's chat engine copies the sources when it wraps the streamed response, before the
-    stream is read: they must be there by then."""
+    stream is read: they must be there by then.
+    """
     from llama_index.core.chat_engine import CondenseQuestionChatEngine
     from llama_index.core.llms import MockLLM
     from llama_index.core.tools import QueryEngineTool

@@ -45,7 +45,8 @@ PASSAGES = [
 
 class HashedRetriever(BaseRetriever):
     """Three of the four passages, in an order that depends on the query text (a stable hash),
-    so that retrieving again with a path's last segment changes the passages."""
+    so that retrieving again with a path's last segment changes the passages.
+    """
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         seed = zlib.crc32(query_bundle.query_str.encode())
@@ -338,7 +339,8 @@ def test_the_engine_equals_the_oracle(models: Any, case: Any) -> None:
 def test_the_cases_cover_every_kind_of_stop(models: Any) -> None:
     """The comparison above means something only if the cases meet every way a segment ends:
     [Retrieval], an adaptive [No Retrieval], the end of generation and the token limit, and a
-    finished path carried over."""
+    finished path carried over.
+    """
     _, oracle = models
     oracle.written.clear()
     stops: set[str] = set()

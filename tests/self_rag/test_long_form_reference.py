@@ -29,7 +29,8 @@ UTILITY = [f"[Utility:{k}]" for k in range(1, 6)]
 
 class Recorder:
     """``retrieve(text)``: the three passages in an order set by a hash of ``text`` (so that
-    retrieving with a segment's text changes them), every call recorded."""
+    retrieving with a segment's text changes them), every call recorded.
+    """
 
     def __init__(self, passages: list[tuple[str, str]] | None = None) -> None:
         self.passages = PASSAGES if passages is None else passages
@@ -94,7 +95,8 @@ def cut(llm: Any, tokens: list[int], stops: set[int]) -> tuple[list[int], str | 
 )
 def test_one_segment_is_plain_greedy(any_llm: Any, query: str, index: int) -> None:
     """beam_width=1, max_segments=1, one passage: the greedy decode after the evidence, cut
-    at [Retrieval] or EOS (covers boundary, eos and length stops)."""
+    at [Retrieval] or EOS (covers boundary, eos and length stops).
+    """
     passage = PASSAGES[index]
     result = reference_long_form(
         any_llm, query, Recorder([passage]), beam_width=1, max_segments=1, max_new_tokens=40
@@ -118,7 +120,8 @@ def test_one_segment_is_plain_greedy(any_llm: Any, query: str, index: int) -> No
 
 def test_token_limit_versus_boundary(llm: Any) -> None:
     """A [Retrieval] generated as the max_new_tokens-th token is a boundary; one token less
-    and the same tokens stop at the limit."""
+    and the same tokens stop at the limit.
+    """
     query, passage = "What does while do?", PASSAGES[0]
     runs = {
         n: reference_long_form(
@@ -142,7 +145,8 @@ def group_share(row: np.ndarray, llm: Any, members: list[str], weights: list[flo
 )
 def test_scores_follow_the_formulas(llm: Any, weights: tuple[float, float, float, bool]) -> None:
     """Every segment's IsREL, IsSUP, IsUSE, seq_score and score, and the path score, from
-    conftest's log-probs and the formulas written out by hand."""
+    conftest's log-probs and the formulas written out by hand.
+    """
     w_rel, w_sup, w_use, use_seqscore = weights
     query = "How do statements work?"
     retrieve = Recorder()
@@ -245,7 +249,8 @@ def test_once_retrieval(llm: Any) -> None:
 
 def test_no_retrieval_boundary(llm: Any) -> None:
     """Adaptive mode with a threshold: a generated [No Retrieval] above it ends the segment at
-    a boundary; always_retrieve writes past it."""
+    a boundary; always_retrieve writes past it.
+    """
     query, passage = "Explain loops.", PASSAGES[0]
     runs = {
         mode: reference_long_form(
@@ -265,7 +270,8 @@ def test_no_retrieval_boundary(llm: Any) -> None:
 def test_gate(llm: Any) -> None:
     """The adaptive gate: threshold 1 never retrieves and answers after [No Retrieval]; the
     probability is the [Retrieval] share at the first position; threshold None follows the
-    greedy decode."""
+    greedy decode.
+    """
     query = "How do statements work?"
     context = prompt(llm, query)
     row = reference_logprobs(llm, context, [0])[0]

@@ -43,7 +43,8 @@ def llama_cpp_python_server(
     tiny_gguf_paths: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Any]:
     """``llama_cpp_python_server(typing)``: llama-cpp-python's server on that tiny GGUF (or on the
-    GGUF at a path), started on first use and stopped when the module's tests are done."""
+    GGUF at a path), started on first use and stopped when the module's tests are done.
+    """
     try:
         import llama_cpp.server.app  # noqa: F401
     except ImportError as exc:

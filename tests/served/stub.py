@@ -120,7 +120,8 @@ class DripServer:
     """A raw HTTP server on 127.0.0.1 that answers every connection with ``answer`` (status line,
     headers and body), one byte every ``interval`` seconds after the first ``at_once`` bytes; it
     stops dripping when the client goes away or at ``close()``. ``sent`` counts the bytes sent
-    so far (a client that gave up early left the rest unsent)."""
+    so far (a client that gave up early left the rest unsent).
+    """
 
     def __init__(self, answer: bytes, interval: float, at_once: int = 0) -> None:
         self.answer = answer

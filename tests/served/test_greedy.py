@@ -44,7 +44,8 @@ def samples(name: str, value: object) -> bool:
     """Whether a sampling knob set to ``value`` can change which token is chosen, by the knob's
     arithmetic (not by any server's table): multiplicative penalties and nucleus/typical cuts
     are off at 1, additive penalties and min-p at 0, top-k at 1 or below (1 keeps the argmax;
-    0 and -1 keep every token)."""
+    0 and -1 keep every token).
+    """
     if name in ("repeat_penalty", "repetition_penalty", "top_p", "typical_p"):
         return value != 1.0
     if name in ("temperature", "presence_penalty", "frequency_penalty", "min_p"):

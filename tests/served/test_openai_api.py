@@ -17,7 +17,7 @@ import pytest
 from served.stub import Reply, StubServer
 
 from llama_index.packs.self_rag_rse import ServedReflectionCritic
-from llama_index.packs.self_rag_rse.self_rag.reflection import (
+from llama_index.packs.self_rag_rse.critic.reflection import (
     FULLY_SUPPORTED,
     IRRELEVANT,
     NO_SUPPORT,
@@ -212,7 +212,8 @@ def vllm_stub(followups: list[dict], *, consistent: bool = True) -> StubServer:
     """A vLLM-like server: ``owned_by: vllm``, token-id keys with ``return_tokens_as_token_ids``,
     a root ``/tokenize``; follow-up bodies go to ``followups``. A follow-up reports, at its
     position, what the completion showed plus the missing group members (lifted by the request's
-    logit bias); with ``consistent=False`` a regenerated answer reports another distribution."""
+    logit bias); with ``consistent=False`` a regenerated answer reports another distribution.
+    """
 
     def handle(method: str, path: str, body: Any) -> Reply:
         if path == "/v1/models":

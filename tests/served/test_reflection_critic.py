@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from llama_index.packs.self_rag_rse import BaseCritic, ReflectionCritic, ServedReflectionCritic
-from llama_index.packs.self_rag_rse.self_rag.reflection import MissingReflectionTokens
+from llama_index.packs.self_rag_rse.critic.reflection import MissingReflectionTokens
 from llama_index.packs.self_rag_rse.served import ServerNotGreedy
 
 QUERIES = ["What is the capital of France?", "Who wrote Hamlet?", "why is the sky blue"]
@@ -59,7 +59,8 @@ def critics(
 @pytest.fixture(scope="module")
 def talkative(talkative_gguf: Path, llama_server: Any) -> Iterator[dict[str, tuple[Any, str]]]:
     """Per token typing, a Llama on the talkative model and the URL of a llama-server on the same
-    GGUF: the tiny model answers '' after [No Retrieval], so its served answers match trivially."""
+    GGUF: the tiny model answers '' after [No Retrieval], so its served answers match trivially.
+    """
     from conftest import _llama  # the top conftest's loader (one settings table for all)
     from tiny_gguf import write_tiny_gguf
 

@@ -51,7 +51,8 @@ def server(
 ) -> tuple[str, str]:
     """A server of the talkative GGUF and the API to reach it by: native ``/completion``
     (llama-server), or ``/v1/completions`` (llama-server: ``logprobs.content`` entries;
-    llama-cpp-python: legacy log-probs with ``text_offset``)."""
+    llama-cpp-python: legacy log-probs with ``text_offset``).
+    """
     if request.param == "llama-cpp-python":
         return llama_cpp_python_server(talkative_gguf).url, "openai"
     api = request.param.split()[1]
@@ -127,7 +128,8 @@ def test_a_server_that_does_not_decode_greedily_stops_the_stream(
 
 def _events_changed(upstream: str, change: Callable[[list[bytes]], list[bytes]]) -> Any:
     """A proxy handler: requests go on to ``upstream``; a streamed answer's events come back
-    as ``change`` makes them (the SSE events without their blank-line separators)."""
+    as ``change`` makes them (the SSE events without their blank-line separators).
+    """
 
     def handler(method: str, path: str, body: Any) -> Reply:
         reply = forward(upstream, method, path, body)

@@ -16,6 +16,13 @@ from llama_index.packs.self_rag_rse.common.lazy import lazy_exports
 if TYPE_CHECKING:  # the public names: what type checkers see, and the lazy table
     from llama_index.packs.self_rag_rse.context.headers import ContextualHeaders
     from llama_index.packs.self_rag_rse.context.sectioner import DocumentSectioner
+    from llama_index.packs.self_rag_rse.critic.backend import CriticBackend
+    from llama_index.packs.self_rag_rse.critic.contract import (
+        BaseCritic,
+        ParagraphJudgement,
+        RetrievalDecision,
+    )
+    from llama_index.packs.self_rag_rse.critic.prompted_critic import PromptedCritic
     from llama_index.packs.self_rag_rse.download import download_llama_pack
     from llama_index.packs.self_rag_rse.llamacpp.backend import LlamaCppBackend
     from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
@@ -26,14 +33,7 @@ if TYPE_CHECKING:  # the public names: what type checkers see, and the lazy tabl
     from llama_index.packs.self_rag_rse.rse.segments import find_best_segments
     from llama_index.packs.self_rag_rse.rse.types import SegmentExtraction
     from llama_index.packs.self_rag_rse.rse.values import PRESETS, get_preset
-    from llama_index.packs.self_rag_rse.self_rag.backend import CriticBackend
-    from llama_index.packs.self_rag_rse.self_rag.contract import (
-        BaseCritic,
-        ParagraphJudgement,
-        RetrievalDecision,
-    )
     from llama_index.packs.self_rag_rse.self_rag.engine import SelfRAGQueryEngine
-    from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
     from llama_index.packs.self_rag_rse.served.reflection_critic import ServedReflectionCritic
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

@@ -60,7 +60,8 @@ class SelfRAGPack(BaseLlamaPack):
 
     def close(self) -> None:
         """Close the engine the pack built (the critic and the model it loaded; see
-        :meth:`SelfRAGQueryEngine.close`). Safe to call twice."""
+        :meth:`SelfRAGQueryEngine.close`). Safe to call twice.
+        """
         self.query_engine.close()
 
     def __enter__(self) -> SelfRAGPack:

@@ -1,2 +1,3 @@
 """Helpers shared by both components: options checking, optional imports, lazy public names,
-the sync/async bridge."""
+the sync/async bridge.
+"""

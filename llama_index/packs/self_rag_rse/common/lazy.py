@@ -21,7 +21,8 @@ def lazy_exports(
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
     """``(__getattr__, __dir__, __all__)`` for ``package``, whose ``__init__`` is ``init_file``:
     each name imported in its ``if TYPE_CHECKING:`` block is read from its module on first use,
-    then kept in the package."""
+    then kept in the package.
+    """
     tree = ast.parse(Path(init_file).read_text(encoding="utf-8"))
     exports = {
         alias.name: statement.module

@@ -39,6 +39,7 @@ def collect_notes() -> Iterator[list[tuple[str, str]]]:
 
 def print_escaped(*parts: Any) -> None:
     """``print`` for verbose traces: a console that cannot encode the text (cp1252, ASCII) gets
-    escapes, not an error raised after all the work and losing the answer."""
+    escapes, not an error raised after all the work and losing the answer.
+    """
     encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
     print(" ".join(map(str, parts)).encode(encoding, "backslashreplace").decode(encoding))

@@ -32,7 +32,8 @@ _warned = False
 
 def vector_store_of(retriever: Any) -> Any:
     """The vector store a retriever reads (``VectorIndexRetriever`` keeps it in
-    ``_vector_store``), or ``None``."""
+    ``_vector_store``), or ``None``.
+    """
     return getattr(retriever, "_vector_store", None)
 
 
@@ -65,7 +66,8 @@ def client_lock(store: Any) -> Iterator[None]:
 
 async def in_thread(store: Any, func: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """``func(*args, **kwargs)`` (a synchronous read of ``store``) in a worker thread, holding
-    the client's lock; logged once per process."""
+    the client's lock; logged once per process.
+    """
     global _warned
     if not _warned:
         _warned = True

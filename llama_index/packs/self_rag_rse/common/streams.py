@@ -1,5 +1,6 @@
 """Stream helpers both transports and the Self-RAG engine read: what a stream still owes of
-its final text, and a stream held to its stripped answer."""
+its final text, and a stream held to its stripped answer.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ logger = logging.getLogger(__name__)
 def unsent_rest(emitted: str, final: str) -> str:
     """What of the ``final`` answer a stream that already sent ``emitted`` still owes; when
     later tokens rewrote text already sent (detokenizing more bytes can), nothing more is sent
-    and a warning shows both, so the difference is never silent."""
+    and a warning shows both, so the difference is never silent.
+    """
     if final.startswith(emitted):
         return final[len(emitted) :]
     logger.warning("streamed text %r is not a prefix of the final answer %r", emitted, final)
@@ -22,7 +24,8 @@ def unsent_rest(emitted: str, final: str) -> str:
 def stripped(pieces: Iterable[str], final: Callable[[str], str]) -> Generator[str, None, None]:
     """``pieces`` with the answer's outer whitespace held back, so that they join to the
     stripped answer (what a non-streamed response holds); an all-whitespace answer becomes
-    ``final("")`` (the engine's no-answer text), a piece that is no text ``final(piece)``."""
+    ``final("")`` (the engine's no-answer text), a piece that is no text ``final(piece)``.
+    """
     holder = Stripper()
     for piece in pieces:
         if text := holder.feed(piece if isinstance(piece, str) else final(piece)):
@@ -45,7 +48,8 @@ async def astripped(
 
 class Stripper:
     """Text fed in pieces, given back so that it joins to the stripped whole: leading
-    whitespace dropped, trailing whitespace held until more text follows."""
+    whitespace dropped, trailing whitespace held until more text follows.
+    """
 
     def __init__(self) -> None:
         self.empty = True

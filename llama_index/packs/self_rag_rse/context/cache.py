@@ -52,7 +52,8 @@ class ContextCache:
     @classmethod
     def from_dir(cls, folder: str | os.PathLike[str]) -> ContextCache:
         """A cache kept in ``folder`` (created when missing), loaded if it exists; a damaged
-        file is warned about (with its path) and the cache starts empty."""
+        file is warned about (with its path) and the cache starts empty.
+        """
         if Path(folder).is_file():  # it would be ignored, then be unwritable after the LLM work
             raise ValueError(
                 f"cache {str(folder)!r} is a file: pass its folder, cache='{Path(folder).parent}'"
@@ -63,7 +64,8 @@ class ContextCache:
     @classmethod
     def coerce(cls, value: Any) -> ContextCache:
         """A cache from what a constructor was given: a cache, a key-value store, a folder, or
-        ``None`` (a fresh in-memory cache)."""
+        ``None`` (a fresh in-memory cache).
+        """
         if value is None:
             return cls()
         if isinstance(value, ContextCache):

@@ -44,7 +44,8 @@ class ContextUsage:
 
 class ContextComponent(TransformComponent):
     """Base of :class:`~.headers.ContextualHeaders` and :class:`~.sectioner.DocumentSectioner`:
-    options checked at construction (unknown ones raise), a cache, the last run's usage."""
+    options checked at construction (unknown ones raise), a cache, the last run's usage.
+    """
 
     #: Options that must be at least the given number.
     _minimums: ClassVar[dict[str, int]] = {}
@@ -121,7 +122,8 @@ def check_documents(component: str, nodes: Sequence[BaseNode]) -> None:
 
 def check_chunks(component: str, nodes: Sequence[BaseNode]) -> None:
     """Raise ``ValueError`` if any of ``nodes`` is a whole ``Document`` (the splitter or the
-    sectioner has not run yet)."""
+    sectioner has not run yet).
+    """
     documents = [node for node in nodes if isinstance(node, Document) and source_of(node) is None]
     if documents:
         raise ValueError(

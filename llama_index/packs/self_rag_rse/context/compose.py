@@ -32,7 +32,8 @@ def compose_header(
     section_summary: str | None = None,
 ) -> str:
     """The header of one chunk: a document line and, when the chunk has a section, a section
-    line. Empty parts are left out; a section that merely repeats the document title too."""
+    line. Empty parts are left out; a section that merely repeats the document title too.
+    """
     lines = []
     if title or summary:
         lines.append(_line("Document", title, summary))
@@ -46,7 +47,8 @@ def compose_segment_header(
     title: str | None, summary: str | None, sections: Sequence[Sequence[str]]
 ) -> str:
     """The header of an RSE segment: the document line, then the section, or the sections in
-    order when the segment spans several (at most :data:`MAX_SEGMENT_SECTIONS`)."""
+    order when the segment spans several (at most :data:`MAX_SEGMENT_SECTIONS`).
+    """
     named = dict.fromkeys(section_label(path) for path in sections)  # in order, once each
     labels = [label for label in named if label and label != (title or "")]
     lines = [document] if (document := compose_header(title, summary)) else []

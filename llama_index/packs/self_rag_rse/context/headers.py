@@ -224,7 +224,8 @@ class ContextualHeaders(ContextComponent):
 
     async def _ask(self, kind: str, members: list[BaseNode], limit: int, **variables: str) -> str:
         """The first line (at most ``limit`` characters) of the LLM's answer to the ``kind``
-        prompt about ``members``; from the cache when asked of the same model before."""
+        prompt about ``members``; from the cache when asked of the same model before.
+        """
         assert self.llm is not None
         prompt: BasePromptTemplate = getattr(self, f"{kind}_prompt")
         variables["text"] = _joined_text(members)[: self.max_llm_chars]

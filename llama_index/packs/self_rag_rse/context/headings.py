@@ -44,7 +44,8 @@ MAX_NUMBERED_TITLE_CHARS = 80
 @dataclass(frozen=True)
 class Heading:
     """A heading: its title, level (1 = outermost) and lines ``[first_line, last_line]``
-    (``first_line`` is the overline when there is one; ``last_line`` the underline)."""
+    (``first_line`` is the overline when there is one; ``last_line`` the underline).
+    """
 
     title: str
     level: int
@@ -150,7 +151,8 @@ def _is_underlined(index: LineIndex, i: int) -> bool:
 
 def _fenced_lines(lines: list[str]) -> set[int]:
     """Lines inside Markdown fenced code blocks. An opening fence that never closes fences
-    nothing (it was a stray line, not a fence)."""
+    nothing (it was a stray line, not a fence).
+    """
     inside: set[int] = set()
     i = 0
     while i < len(lines):

@@ -48,7 +48,8 @@ SECTION_KEYS = (
 
 def section_path(metadata: Mapping[str, Any]) -> tuple[str, ...]:
     """The section path in ``metadata``: a list or tuple of texts; a text (set by a reader, not
-    the sectioner) is one title; anything else (numpy arrays included) is no path."""
+    the sectioner) is one title; anything else (numpy arrays included) is no path.
+    """
     value = metadata.get(SECTION_PATH_KEY)
     if isinstance(value, str):
         return (value,)

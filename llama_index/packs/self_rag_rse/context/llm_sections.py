@@ -45,7 +45,8 @@ class SectionPartition(BaseModel):
 @dataclass
 class LLMSectioning:
     """What the LLM strategy found for one document: section starts, LLM calls made, windows
-    whose answer was rejected (with the reason) and repairs made to accepted ones."""
+    whose answer was rejected (with the reason) and repairs made to accepted ones.
+    """
 
     starts: list[SectionStart]
     calls: int = 0

@@ -35,7 +35,8 @@ class PartitionError(ValueError):
 @dataclass
 class RepairedPartition:
     """Section starts for one window, in order, the first at the window's first line, and the
-    repairs that were needed (empty when the model's answer was already a partition)."""
+    repairs that were needed (empty when the model's answer was already a partition).
+    """
 
     starts: list[SectionStart]
     repairs: list[str] = field(default_factory=list)
@@ -43,7 +44,8 @@ class RepairedPartition:
 
 def window_end(index: LineIndex, first: int, window_chars: int, max_line_chars: int) -> int:
     """Last line (inclusive) of the window starting at ``first``: as many lines as fit in
-    ``window_chars`` characters when rendered, at least one."""
+    ``window_chars`` characters when rendered, at least one.
+    """
     used = 0
     last = first
     for i in range(first, len(index)):
@@ -57,7 +59,8 @@ def window_end(index: LineIndex, first: int, window_chars: int, max_line_chars: 
 
 def render_window(index: LineIndex, first: int, last: int, max_line_chars: int) -> str:
     """Lines ``first..last`` as ``[n] text``, blank lines left out (they cost tokens and carry
-    no structure), each line cut to ``max_line_chars`` characters."""
+    no structure), each line cut to ``max_line_chars`` characters.
+    """
     return "\n".join(
         _render(index, i, max_line_chars) for i in range(first, last + 1) if not index.is_blank(i)
     )
@@ -73,7 +76,8 @@ def repair_partition(
     window_name: str = "",
 ) -> RepairedPartition:
     """Turn the model's ``(title, first_line, last_line)`` sections for window ``first..last``
-    into section starts that partition the window (see the module docstring)."""
+    into section starts that partition the window (see the module docstring).
+    """
     where = window_name or f"lines {first}-{last}"
     repairs: list[str] = []
     inside = [(t, s, e) for t, s, e in proposed if isinstance(s, int) and first <= s <= last]
@@ -127,7 +131,8 @@ def _merge_short(
     """Merge sections shorter than ``min_lines`` non-blank lines into the next one (a heading
     directly followed by a subheading reads best under the subheading). The last section is
     left alone: the window's end may have cut it, and the next window reads it again. Reject an
-    answer made mostly of short pieces."""
+    answer made mostly of short pieces.
+    """
     if min_lines <= 1 or len(starts) == 1:
         return starts
     bounds = [s.line for s in starts[1:]] + [last + 1]

@@ -355,7 +355,8 @@ def _repair_offsets(chunks: Sequence[BaseNode], texts: dict[str, str]) -> None:
 
 def _structural_starts(structural: list[Section], first: int, last: int) -> list[SectionStart]:
     """The heading sections of lines ``first..last``, the first one continuing the section that
-    holds ``first`` (a window rarely starts on a heading)."""
+    holds ``first`` (a window rarely starts on a heading).
+    """
     return [
         SectionStart(max(first, section.start_line), section.title, section.path[-1:])
         for section in structural
@@ -365,7 +366,8 @@ def _structural_starts(structural: list[Section], first: int, last: int) -> list
 
 def _join_continued(starts: list[SectionStart]) -> list[SectionStart]:
     """Drop starts that only continue the section before them (same title): a window boundary
-    is not a section boundary."""
+    is not a section boundary.
+    """
     joined: list[SectionStart] = []
     for start in starts:
         if joined and start.title == joined[-1].title and start.path == joined[-1].path:

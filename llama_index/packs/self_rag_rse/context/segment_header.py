@@ -43,7 +43,8 @@ def segment_header(node: BaseNode, members: Sequence[BaseNode] = ()) -> str:
 
 def _text(metadata: dict[str, Any], key: str) -> str | None:
     """A non-empty text value, else ``None`` (other types, numpy arrays included, are not
-    header text, and are never tested for truth)."""
+    header text, and are never tested for truth).
+    """
     value = metadata.get(key)
     return value if isinstance(value, str) and value.strip() else None
 

@@ -2,7 +2,8 @@
 
 Per engine, over one question set: judged metrics, evidence recall/precision, latency and model
 calls; ``self-rag-rse evaluate`` on a folder of documents, :func:`evaluate` on any index and engines
-(usage: ``docs/evaluate.md``). Rooms: questions, judges, engines, report, runner, command."""
+(usage: ``docs/evaluate.md``). Rooms: questions, judges, engines, report, runner, command.
+"""
 
 from llama_index.packs.self_rag_rse.evaluation.engines import default_engines
 from llama_index.packs.self_rag_rse.evaluation.judges import JudgementError, RagasMetric, make_judge

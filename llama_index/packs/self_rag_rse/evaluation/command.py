@@ -1,7 +1,8 @@
 """``self-rag-rse evaluate``: index a folder, run the engines over a question set, report.
 
 Every flag and input is checked before anything loads, in the flag's own words; flags, models
-and caveats: ``docs/evaluate.md``."""
+and caveats: ``docs/evaluate.md``.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """What is evaluated: the index (built as ``benchmarks/bench_rse_quality.py`` builds its own),
 and the five engines compared on it, which share the retriever settings and the LLM, so the
-differences are the techniques' (:data:`ENGINE_DESCRIPTIONS`)."""
+differences are the techniques' (:data:`ENGINE_DESCRIPTIONS`).
+"""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def build_index(
     collection: str = "evaluation",
 ) -> BuiltIndex:
     """Chunk copies of ``documents`` (default: ``SentenceSplitter`` and ``ChunkIndexer``, whose
-    chunk indexes RSE reads), embed them, store them in a fresh in-memory Qdrant collection."""
+    chunk indexes RSE reads), embed them, store them in a fresh in-memory Qdrant collection.
+    """
     qdrant = optional_import("llama_index.vector_stores.qdrant", "the evaluation index")
     client = optional_import("qdrant_client", "the evaluation index")
     if transformations is None:
@@ -91,7 +93,8 @@ def default_engines(
 ) -> dict[str, BaseQueryEngine]:
     """The engines of :data:`ENGINE_NAMES` (or the subset ``engines``) on ``index`` and ``llm``;
     ``rse_options`` go to ``RelevantSegmentPostprocessor``, ``self_rag_options`` to the
-    ``SelfRAGQueryEngine``. Self-RAG engines own their critic: :func:`close_engines` when done."""
+    ``SelfRAGQueryEngine``. Self-RAG engines own their critic: :func:`close_engines` when done.
+    """
     names = list(engines) if engines is not None else list(ENGINE_NAMES)
     if unknown := [n for n in names if n not in ENGINE_DESCRIPTIONS]:
         raise ValueError(f"unknown engine(s) {unknown}; choose from {list(ENGINE_NAMES)}")

@@ -1,6 +1,7 @@
 """A judge is ``{metric name: BaseEvaluator}``: core's evaluators (``li_*`` metrics, so a table
 never mixes them with RAGAS's), RAGAS's metrics wrapped by :class:`RagasMetric`, or your own;
-:func:`ascore` reads one score, and raises :class:`JudgementError` when a reply holds none."""
+:func:`ascore` reads one score, and raises :class:`JudgementError` when a reply holds none.
+"""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ class JudgementError(RuntimeError):
 
 class RagasMetric(core.BaseEvaluator):
     """A RAGAS 0.4 metric object as a LlamaIndex evaluator: an unparsable reply raises
-    :class:`JudgementError`; other errors (the judge's server) pass through, to be retried."""
+    :class:`JudgementError`; other errors (the judge's server) pass through, to be retried.
+    """
 
     def __init__(self, name: str, metric: Any, version: str = "?") -> None:
         self.name, self.metric, self.version = name, metric, version
@@ -80,7 +82,8 @@ def make_judge(
 ) -> dict[str, core.BaseEvaluator]:
     """The built-in metrics judged by ``llm``, in report order: ``backend`` ``"ragas"``,
     ``"llamaindex"`` or ``"auto"`` (RAGAS when it imports; its telemetry off by default).
-    ``answer_relevancy`` and ``li_semantic_similarity`` need ``embed_model``."""
+    ``answer_relevancy`` and ``li_semantic_similarity`` need ``embed_model``.
+    """
     if backend not in ("auto", "ragas", "llamaindex"):
         raise ValueError(f"judge backend must be 'auto', 'ragas' or 'llamaindex', got {backend!r}")
     if backend != "llamaindex":
@@ -145,7 +148,8 @@ async def ascore(
     reference: str | None = None,
 ) -> float:
     """``evaluator``'s score of one answer (``li_*`` scores mapped into [0, 1]); raises
-    :class:`JudgementError` when the reply holds no finite score, other errors pass through."""
+    :class:`JudgementError` when the reply holds no finite score, other errors pass through.
+    """
     try:
         result = await evaluator.aevaluate(
             query=query, response=response, contexts=list(contexts), reference=reference
@@ -168,7 +172,8 @@ async def ascore(
 
 def describe_judge(judge: Mapping[str, core.BaseEvaluator], name: str | None, llm: Any) -> dict:
     """The judge's ``identity``, which keys its cached judgements (so a judge never reuses
-    another's: name your evaluators' model in ``name``), and what the report says of it."""
+    another's: name your evaluators' model in ``name``), and what the report says of it.
+    """
     ragas = [e.version for e in judge.values() if isinstance(e, RagasMetric)]
     library = f"ragas {ragas[0]}" if ragas else "llama-index-core evaluators"
     who = llm_label(llm) if llm is not None else ", ".join(type(e).__name__ for e in judge.values())

@@ -1,6 +1,7 @@
 """The question set, where its gold evidence lies, and how much of it an engine retrieved:
 evidence recall and precision in characters, no model needed (as the retrieval benchmark
-measures); overlaps count once, and returned text placed nowhere counts against precision."""
+measures); overlaps count once, and returned text placed nowhere counts against precision.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ TEXT_SUFFIXES = (".txt", ".md")
 @dataclass(frozen=True)
 class Question:
     """One question of the set; ``evidence_span`` is where ``evidence`` lies in ``document``
-    (set when the documents are given: evidence recall/precision need it)."""
+    (set when the documents are given: evidence recall/precision need it).
+    """
 
     question: str
     document: str | None = None
@@ -60,7 +62,8 @@ def read_utf8(path: Path, flag: str) -> str:
 
 def resolve_document(name: str, documents: Mapping[str, str]) -> str | None:
     """The key of ``documents`` that ``name`` designates: itself, a unique file name match, or
-    the key an absolute path (SimpleDirectoryReader's ``file_path``) ends with."""
+    the key an absolute path (SimpleDirectoryReader's ``file_path``) ends with.
+    """
     matches = [key for key in documents if Path(key).name == Path(name).name]
     ending = next((key for key in documents if Path(name).as_posix().endswith("/" + key)), None)
     return name if name in documents else (matches[0] if len(matches) == 1 else ending)
@@ -70,7 +73,8 @@ def load_questions(
     path: str | Path, documents: Mapping[str, str] | None = None, limit: int | None = None
 ) -> list[Question]:
     """Read a JSON-lines question set, locating each ``evidence`` in ``documents``; a
-    ``ValueError`` lists every bad line. ``limit`` keeps the first questions only."""
+    ``ValueError`` lists every bad line. ``limit`` keeps the first questions only.
+    """
     source = Path(path)
     if not source.is_file():
         what = "is a folder" if source.is_dir() else "does not exist"
@@ -98,7 +102,8 @@ def questions_from(
     items: Iterable[str | Question], documents: Mapping[str, str] | None = None
 ) -> list[Question]:
     """``Question`` objects from strings or questions; with ``documents``, each ``evidence``
-    without an ``evidence_span`` is located (``ValueError`` when it is not found)."""
+    without an ``evidence_span`` is located (``ValueError`` when it is not found).
+    """
     out = [item if isinstance(item, Question) else Question(str(item)) for item in items]
     if documents is None:
         return out
@@ -137,7 +142,8 @@ def _parse(item: object, documents: Mapping[str, str] | None) -> Question:
 
 def find_span(text: str, fragment: str, near: int | None = None) -> tuple[int, int] | None:
     """Where ``fragment`` occurs in ``text``, ``(start, end)`` or ``None``: exactly (the one
-    starting closest to ``near``), else with runs of whitespace matched loosely (re-wrapped)."""
+    starting closest to ``near``), else with runs of whitespace matched loosely (re-wrapped).
+    """
     exact = re.finditer(f"(?={re.escape(fragment)})", text)  # every start, overlapping ones too
     loose = re.finditer(r"\s+".join(map(re.escape, fragment.split())), text)
     spans = [(m.start(), m.start() + len(fragment)) for m in exact] or [m.span() for m in loose]
@@ -161,7 +167,8 @@ def evidence_scores(
     gold: Span, returned: Sequence[Span], unplaced_chars: int = 0
 ) -> tuple[float, float | None]:
     """``(recall, precision)`` of the returned text against the gold span (precision ``None``
-    when nothing was returned); ``unplaced_chars``, placed nowhere, count against precision."""
+    when nothing was returned); ``unplaced_chars``, placed nowhere, count against precision.
+    """
     gold_doc, gold_start, gold_end = gold
     if gold_end <= gold_start:
         raise ValueError(f"the gold span {gold} is empty")

@@ -1,6 +1,7 @@
 """What an evaluation produced (a :class:`Record` per question and engine) and its report:
 ``report.md`` (engines × metrics, mean ± sd), ``report.png`` (a panel per measure: mean, ± 1 sd,
-a dot per question; drawn without pyplot) and ``records.json``."""
+a dot per question; drawn without pyplot) and ``records.json``.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ COST_MEASURES = ("latency_s", "model_calls")
 @dataclass
 class Record:
     """One engine's answer to one question; a metric's score is ``None`` when its judgement
-    failed (``errors`` says why), absent when it does not apply."""
+    failed (``errors`` says why), absent when it does not apply.
+    """
 
     question: str
     engine: str
@@ -104,7 +106,8 @@ def write_report(
     result: EvaluationResult, out_dir: str | Path, *, plot: bool = True
 ) -> dict[str, Path]:
     """Write ``records.json``, ``report.md`` (caveats, setup, the table, failures) and, with
-    matplotlib, ``report.png`` into ``out_dir``; returns the paths keyed by what they hold."""
+    matplotlib, ``report.png`` into ``out_dir``; returns the paths keyed by what they hold.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     records = json.dumps(result.to_json(), indent=2, ensure_ascii=False)

@@ -2,7 +2,8 @@
 
 Queries run one at a time (latencies do not inflate each other); each (answer, metric) is one job
 for core's ``run_jobs``; each finished item is cached at once, failures never, so a rerun does only
-what is missing or failed."""
+what is missing or failed.
+"""
 
 from __future__ import annotations
 
@@ -30,10 +31,10 @@ from llama_index.core.instrumentation.span_handlers import NullSpanHandler
 from llama_index.core.utils import get_tqdm_iterable
 
 from llama_index.packs.self_rag_rse.common.bridge import run_sync
+from llama_index.packs.self_rag_rse.critic.contract import BaseCritic
 from llama_index.packs.self_rag_rse.evaluation import judges
 from llama_index.packs.self_rag_rse.evaluation import questions as qs
 from llama_index.packs.self_rag_rse.evaluation.report import EvaluationResult, Record
-from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic
 
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
@@ -75,7 +76,8 @@ async def aevaluate(
     judgements), an LLM (the built-in metrics, with ``embed_model``) or ``None``. ``documents``
     place the evidence; ``cache`` (a ``.jsonl`` path) resumes, under ``settings_key``; ``workers``
     judgements in flight, each attempt bounded by ``timeout_s``, ``retries`` more after a timeout or
-    a server's error; ``settings`` and ``notes`` go into the report."""
+    a server's error; ``settings`` and ``notes`` go into the report.
+    """
     if not engines:
         raise ValueError("pass at least one engine: {name: query engine}")
     if workers < 1 or retries < 0:
@@ -175,7 +177,8 @@ async def _judge_one(
     job: tuple[Any, ...], store: ResultCache, timeout_s: float | None, retries: int
 ) -> None:
     """One judgement into its record and the cache; never raises. A timeout or a server's error
-    is tried again after a wait, an unreadable reply (``JudgementError``) is not: same reply."""
+    is tried again after a wait, an unreadable reply (``JudgementError``) is not: same reply.
+    """
     record, metric, evaluator, sample, key = job
     retry = tenacity.retry_if_not_exception_type(judges.JudgementError)
     attempts = tenacity.AsyncRetrying(
@@ -223,7 +226,8 @@ SHAPES: dict[str, type[_Shape]] = {"answer": _Answer, "judgement": _Judgement}
 
 class ResultCache:
     """Finished answers and judgements by ``(kind, key)``, in memory and in a ``.jsonl`` file; a
-    damaged line or a value not of :data:`SHAPES` is skipped (warning: file, line) and redone."""
+    damaged line or a value not of :data:`SHAPES` is skipped (warning: file, line) and redone.
+    """
 
     def __init__(self, path: str | Path | None = None) -> None:
         self.path = Path(path) if path is not None else None
@@ -273,7 +277,8 @@ _DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar("self_rag_rse_llm_d
 class ModelCallCounter:
     """Counts model calls through instrumentation while attached (``with ModelCallCounter() as
     counter:``): LLM requests (one inside another, as ``LlamaCPP.chat`` calling ``complete``,
-    once), plus each critic method's span with no LLM request in it (an in-process critic)."""
+    once), plus each critic method's span with no LLM request in it (an in-process critic).
+    """
 
     def __init__(self) -> None:
         self._lock, self._events = threading.Lock(), _EventSink(owner=self)

@@ -22,12 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from llama_index.core.prompts import BasePromptTemplate
 
 from llama_index.packs.self_rag_rse.common.options import require_counts
-from llama_index.packs.self_rag_rse.llamacpp import compat
-from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
-from llama_index.packs.self_rag_rse.llamacpp.prompt_tokens import PromptTokenizer
-from llama_index.packs.self_rag_rse.llamacpp.sequences import Request, SequenceOutput
-from llama_index.packs.self_rag_rse.llamacpp.worker import DecoderWorker, TextStream
-from llama_index.packs.self_rag_rse.self_rag.backend import (
+from llama_index.packs.self_rag_rse.critic.backend import (
     CriticBackend,
     FirstRound,
     Generated,
@@ -37,13 +32,18 @@ from llama_index.packs.self_rag_rse.self_rag.backend import (
     Values,
     prompt_values,
 )
-from llama_index.packs.self_rag_rse.self_rag.labels import (
+from llama_index.packs.self_rag_rse.critic.labels import (
     RELEVANCE_SCALE,
     SUPPORT_SCALE,
     UTILITY_SCALE,
     LabelScale,
 )
-from llama_index.packs.self_rag_rse.self_rag.reflection import logsumexp, sequence_score
+from llama_index.packs.self_rag_rse.critic.reflection import logsumexp, sequence_score
+from llama_index.packs.self_rag_rse.llamacpp import compat
+from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
+from llama_index.packs.self_rag_rse.llamacpp.prompt_tokens import PromptTokenizer
+from llama_index.packs.self_rag_rse.llamacpp.sequences import Request, SequenceOutput
+from llama_index.packs.self_rag_rse.llamacpp.worker import DecoderWorker, TextStream
 
 if TYPE_CHECKING:
     import llama_cpp
@@ -52,7 +52,7 @@ T = TypeVar("T")
 
 
 class LlamaCppBackend(CriticBackend):
-    """:class:`~llama_index.packs.self_rag_rse.self_rag.backend.CriticBackend` on llama.cpp.
+    """:class:`~llama_index.packs.self_rag_rse.critic.backend.CriticBackend` on llama.cpp.
 
     Args:
         model: a ``LlamaCPP`` (its prompt formatting and system prompt are used) or a loaded

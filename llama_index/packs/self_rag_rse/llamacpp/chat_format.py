@@ -23,8 +23,8 @@ from llama_index.core.llms import LLM
 from llama_index.core.prompts import BasePromptTemplate
 
 from llama_index.packs.self_rag_rse.common.optional import optional_import
+from llama_index.packs.self_rag_rse.critic.llm_backend import with_system
 from llama_index.packs.self_rag_rse.llamacpp import compat
-from llama_index.packs.self_rag_rse.self_rag.llm_backend import with_system
 
 if TYPE_CHECKING:
     import llama_cpp
@@ -79,7 +79,8 @@ def load_gguf(
 
 def gguf_template(llama: llama_cpp.Llama) -> Callable[[Sequence[ChatMessage]], str] | None:
     """Messages to prompt text in the GGUF's ``tokenizer.chat_template``, ending with the turn
-    the model answers in; ``None`` when the GGUF has no template."""
+    the model answers in; ``None`` when the GGUF has no template.
+    """
     template = (getattr(llama, "metadata", None) or {}).get("tokenizer.chat_template")
     if not template:
         return None

@@ -45,7 +45,8 @@ def import_llama_cpp(feature: str = "the llama.cpp backend") -> Any:
 
 def llama_of(llm: Any, owner: str | None = None) -> Any:
     """The ``llama_cpp.Llama`` behind ``llm`` (itself, or a ``LlamaCPP``'s ``_model``), if any;
-    with an ``owner`` that needs one, a ``TypeError`` naming it when there is none."""
+    with an ``owner`` that needs one, a ``TypeError`` naming it when there is none.
+    """
     with contextlib.suppress(ImportError):  # without llama_cpp there is no Llama either
         import llama_cpp
 

@@ -256,7 +256,8 @@ class NativeContext:
 
     def _known_to_fail(self, n_cells: int, streams: int) -> bool:
         """Whether a context this large failed to be created within the last
-        :data:`RETRY_FAILED_SIZE_AFTER_S` seconds (a larger one would fail too)."""
+        :data:`RETRY_FAILED_SIZE_AFTER_S` seconds (a larger one would fail too).
+        """
         if self._failed is None:
             return False
         cells, when = self._failed

@@ -117,7 +117,8 @@ class Conversation:
 
     def carried(self) -> tuple[dict[int, Held], int]:
         """What the KV cache holds for a later conversation to continue (see
-        :meth:`~llama_index.packs.self_rag_rse.llamacpp.decoder.BatchedDecoder.conversation`)."""
+        :meth:`~llama_index.packs.self_rag_rse.llamacpp.decoder.BatchedDecoder.conversation`).
+        """
         return dict(self._held), self._epoch
 
     def run(self, requests: Sequence[Request]) -> list[SequenceOutput]:
@@ -273,7 +274,8 @@ class Conversation:
         self, group_plan: Plan, group: list[int], prompts: list[_Prompt], held: bool = True
     ) -> tuple[int, int]:
         """KV cells (per stream when split) and sequence ids the group needs, with or without
-        the held sequences."""
+        the held sequences.
+        """
         native = self._native
         kept = list(self._held.values()) if held else []
         if native.kv_unified:
@@ -463,7 +465,8 @@ def _as_deep(live: list[Slot]) -> list[Slot]:
 def _distinct_cells(sequences: list[list[int]]) -> int:
     """Cells a unified KV cache uses for ``sequences``: their distinct prefixes (sequences made
     by copying share the cells of their common prefix), plus a little for the few tokens that
-    prompts evaluate each for themselves (see :data:`~.plan.MIN_SHARED_TOKENS`)."""
+    prompts evaluate each for themselves (see :data:`~.plan.MIN_SHARED_TOKENS`).
+    """
     ordered = sorted(sequences)
     cells = sum(len(s) for s in ordered)
     for previous, current in pairwise(ordered):

@@ -175,7 +175,8 @@ class BatchedDecoder:
     @property
     def kv_cells(self) -> int:
         """KV cells of the llama.cpp context held now (per sequence stream when the cache is
-        split); 0 when there is none (before the first call, or once freed)."""
+        split); 0 when there is none (before the first call, or once freed).
+        """
         return self._native.n_cells
 
     @property

@@ -32,7 +32,8 @@ MOST_HANDED = 32
 @dataclass
 class Held:
     """A sequence the KV cache holds: its tokens, the logits after the last one (when known),
-    and whether it must survive later calls (``keep``: copied from, never continued in place)."""
+    and whether it must survive later calls (``keep``: copied from, never continued in place).
+    """
 
     tokens: list[int]
     logits: NDArray[np.float32] | None = None
@@ -42,7 +43,8 @@ class Held:
 @dataclass(eq=False)
 class Edge:
     """Tokens evaluated in one sequence, from position ``start``; ``request`` when they end a
-    prompt (a leaf), else the edges that continue them."""
+    prompt (a leaf), else the edges that continue them.
+    """
 
     tokens: list[int]
     start: int
@@ -62,7 +64,8 @@ class Edge:
 class Start:
     """Where an evaluation starts: an ``edge`` (or a request the cache holds whole) continuing
     the first ``length`` positions of the held sequence ``source`` (None: an empty sequence),
-    in place (``takeover``) or in a copy."""
+    in place (``takeover``) or in a copy.
+    """
 
     edge: Edge | None
     request: int | None
@@ -74,7 +77,8 @@ class Start:
 @dataclass
 class Plan:
     """The evaluations of one group of prompts; ``seq_of`` maps each prompt to its sequence id
-    once :func:`assign` has run."""
+    once :func:`assign` has run.
+    """
 
     starts: list[Start]
     seq_of: dict[int, int] = field(default_factory=dict)
@@ -95,7 +99,8 @@ class Plan:
 
     def waves(self) -> Iterator[list[tuple[Edge, Edge | None]]]:
         """Edges with their parent edge (None for a start), one list per tree level: a level
-        can be evaluated once the one above it is."""
+        can be evaluated once the one above it is.
+        """
         wave: list[tuple[Edge, Edge | None]] = [
             (s.edge, None) for s in self.starts if s.edge is not None
         ]
@@ -225,7 +230,8 @@ def _balance(plan_: Plan) -> None:
     taking as many tokens from each sequence, so runs a few tokens longer than the rest make one
     more, tiny micro-batch. A leaf continuing its parent in place hands its first ``len -
     shortest`` tokens (fewer than :data:`MOST_HANDED`) to the parent's run when that leaves fewer
-    distinct run lengths over the two levels."""
+    distinct run lengths over the two levels.
+    """
     levels = list(plan_.waves())
     for above, level in pairwise(levels):
         shortest = min(len(edge.tokens) for edge, _ in level)
@@ -274,7 +280,8 @@ def _build(token: int, node: _Node, prompts: Sequence[Sequence[int]]) -> Edge:
 
 def _merge(edge: Edge) -> list[Edge]:
     """``edge``, or its children with its tokens in front when sharing them saves too little
-    (see :data:`MIN_SHARED_TOKENS`); applied all the way down."""
+    (see :data:`MIN_SHARED_TOKENS`); applied all the way down.
+    """
     if edge.request is None and (len(edge.children) - 1) * len(edge.tokens) < MIN_SHARED_TOKENS:
         out: list[Edge] = []
         for child in edge.children:

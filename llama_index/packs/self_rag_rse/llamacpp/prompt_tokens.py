@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 from llama_index.core.prompts import BasePromptTemplate
 
+from llama_index.packs.self_rag_rse.critic.labels import LabelScale
+from llama_index.packs.self_rag_rse.critic.prompts import VARIABLES
 from llama_index.packs.self_rag_rse.llamacpp import compat
 from llama_index.packs.self_rag_rse.llamacpp.chat_format import chat_formatter
-from llama_index.packs.self_rag_rse.self_rag.labels import LabelScale
-from llama_index.packs.self_rag_rse.self_rag.prompts import VARIABLES
 
 if TYPE_CHECKING:
     import llama_cpp
@@ -123,7 +123,8 @@ class PromptTokenizer:
         self, template: BasePromptTemplate, values: dict[str, Any], max_new: int
     ) -> tuple[list[int], int]:
         """Prompt tokens, the paragraph shortened (from its end) until prompt + answer fit, and
-        how many of the paragraph's tokens that left out."""
+        how many of the paragraph's tokens that left out.
+        """
         tokens = self.tokens(template, values)
         limit = self.n_ctx - max_new
         paragraph = values.get("context_str")
@@ -157,7 +158,8 @@ class PromptTokenizer:
         " yes") read after the prompt and ``lead`` (an id two labels share, or whitespace, is
         dropped). ``lead`` is empty unless a label has no id of its own and all start with the
         same whitespace tokens ("1" is "▁", "1" in a SentencePiece vocabulary without "▁1"),
-        whose probability they share."""
+        whose probability they share.
+        """
         cached = self._label_ids.get(scale.name)
         if cached is None:
             cached = self._first_ids(scale, [])

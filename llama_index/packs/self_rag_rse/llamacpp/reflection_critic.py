@@ -5,7 +5,7 @@ A Self-RAG model critiques itself: after ``[Retrieval]<paragraph>...</paragraph>
 critic reads the probabilities of those tokens straight from the logits of one batched llama.cpp
 pass over all paragraphs (:class:`~llama_index.packs.self_rag_rse.llamacpp.decoder.BatchedDecoder`)
 and turns them into scores with the pure functions of
-:mod:`llama_index.packs.self_rag_rse.self_rag.reflection`.
+:mod:`llama_index.packs.self_rag_rse.critic.reflection`.
 """
 
 from __future__ import annotations
@@ -19,18 +19,13 @@ from llama_index.core.instrumentation import get_dispatcher
 from numpy.typing import NDArray
 
 from llama_index.packs.self_rag_rse.common.options import require_counts
-from llama_index.packs.self_rag_rse.llamacpp import compat
-from llama_index.packs.self_rag_rse.llamacpp.context import DecodeError
-from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
-from llama_index.packs.self_rag_rse.llamacpp.sequences import Request, SequenceOutput
-from llama_index.packs.self_rag_rse.llamacpp.worker import DecoderWorker, TextStream
-from llama_index.packs.self_rag_rse.self_rag.contract import (
+from llama_index.packs.self_rag_rse.critic.contract import (
     BaseCritic,
     Continuation,
     ParagraphJudgement,
     RetrievalDecision,
 )
-from llama_index.packs.self_rag_rse.self_rag.reflection import (
+from llama_index.packs.self_rag_rse.critic.reflection import (
     NO_RETRIEVAL,
     PARAGRAPH_CLOSE,
     PARAGRAPH_OPEN,
@@ -42,6 +37,11 @@ from llama_index.packs.self_rag_rse.self_rag.reflection import (
     retrieval_probability,
     score_generation,
 )
+from llama_index.packs.self_rag_rse.llamacpp import compat
+from llama_index.packs.self_rag_rse.llamacpp.context import DecodeError
+from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
+from llama_index.packs.self_rag_rse.llamacpp.sequences import Request, SequenceOutput
+from llama_index.packs.self_rag_rse.llamacpp.worker import DecoderWorker, TextStream
 
 if TYPE_CHECKING:
     import llama_cpp
@@ -185,7 +185,8 @@ class ReflectionCritic(BaseCritic):
 
     def _generate(self, query: str, on_text: Callable[[str], None] | None = None) -> str:
         """Answer with no evidence: greedy continuation after ``[No Retrieval]`` (``on_text``
-        gets the answer so far after every token)."""
+        gets the answer so far after every token).
+        """
         request = self._answer_request(self._prompt(query))
         if on_text is not None:
             text = TextStream(self.llm, self._answer_filter())
@@ -226,7 +227,8 @@ class ReflectionCritic(BaseCritic):
 
     async def astart_path(self, query: str) -> tuple[int, ...]:
         """The prompt's tokens: where every long-form path starts (tokenized on the worker,
-        which checks the model is open and holds it so: a closed model's vocabulary crashes)."""
+        which checks the model is open and holds it so: a closed model's vocabulary crashes).
+        """
         return tuple(await self._worker.run(self._prompt, query))
 
     @dispatcher.span
@@ -234,7 +236,8 @@ class ReflectionCritic(BaseCritic):
         self, branches: Sequence[tuple[tuple[int, ...], str]], boundary_threshold: float | None
     ) -> list[Continuation]:
         """One segment per ``(context, paragraph)``, all decoded side by side in one batched
-        call; contexts and passages shared by several branches are evaluated once."""
+        call; contexts and passages shared by several branches are evaluated once.
+        """
         return await self._worker.run(self._write_segments, branches, boundary_threshold)
 
     def _write_segments(
@@ -313,7 +316,8 @@ class ReflectionCritic(BaseCritic):
 
     def close(self) -> None:
         """Wait for running work, then free the critic's llama.cpp context (the ``Llama``
-        itself stays open)."""
+        itself stays open).
+        """
         self._worker.close()
 
     # --- tokens -----------------------------------------------------------------------------------
@@ -344,7 +348,8 @@ class ReflectionCritic(BaseCritic):
     def _answer_filter(self) -> Callable[[int], bool]:
         """Whether each generated token, asked in order, is part of the answer: no reflection
         token, no end of generation, nothing between ``<paragraph>`` and ``</paragraph>`` (the
-        model quoting evidence is not part of its answer)."""
+        model quoting evidence is not part of its answer).
+        """
         opening, closing = self.token_ids[PARAGRAPH_OPEN], self.token_ids[PARAGRAPH_CLOSE]
         quoting = False
 

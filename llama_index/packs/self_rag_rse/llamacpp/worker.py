@@ -43,7 +43,8 @@ class DecoderWorker:
 
     async def run(self, func: Callable[..., T], /, *args: Any) -> T:
         """Run ``func(*args)`` on the worker thread, holding the decoder (the model is open
-        throughout and ``Llama.close()`` waits for it)."""
+        throughout and ``Llama.close()`` waits for it).
+        """
         return await self._worker.run(self._held, func, *args)
 
     async def stream(self, func: Callable[..., str], /, *args: Any) -> AsyncIterator[str]:

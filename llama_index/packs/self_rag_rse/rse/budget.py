@@ -93,7 +93,8 @@ def fill_budget(
     any other starts a one-chunk segment; one that does not fit (or makes a segment longer than
     ``max_length``) is skipped, and tried again when a neighbour joins. ``least_piece`` > 0: a
     piece of a chunk at least that long fills the rest (:func:`_room_for_piece`). Returns every
-    segment, merged, in document order; their cost never exceeds ``budget``."""
+    segment, merged, in document order; their cost never exceeds ``budget``.
+    """
     row, splits, first, step, budget, max_length = _checked(
         values, document_splits, first_costs, step_costs, budget, max_length, 0.0
     )
@@ -179,7 +180,8 @@ def _candidates(
 ) -> tuple[IntArray, IntArray, FloatArray, IntArray]:  # fmt: skip
     """Every segment that could be in a best choice: inside one document, both ends >= 0,
     within the budget, and worth more than every shorter segment from the same start (a longer
-    one worth no more covers more chunks for no less cost, so it is never needed)."""
+    one worth no more covers more chunks for no less cost, so it is never needed).
+    """
     n = row.shape[0]
     length = min(max_length, n)
     wall = np.zeros(n + length, dtype=bool)  # a segment may not reach a wall after its start
@@ -289,7 +291,8 @@ def _room_for_piece(
 ) -> None:  # fmt: skip
     """With ``left`` of the budget unspent: a one-chunk segment of a later candidate gives its room
     to the first one left out if the piece (at least ``least`` long) made is worth more than it and
-    the piece ``left`` makes (a piece: its share of the chunk's value), or its whole if it fits."""
+    the piece ``left`` makes (a piece: its share of the chunk's value), or its whole if it fits.
+    """
     best = next((p for p in candidates if not taken[p] and row[p] > 0), None)
     if best is None or not least:
         return

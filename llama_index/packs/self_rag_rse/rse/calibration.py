@@ -243,7 +243,8 @@ RANK_ONLY_RELEVANCE = 0.8
 
 def calibrate_rank(scores: ArrayLike) -> FloatArray:
     """Every hit :data:`RANK_ONLY_RELEVANCE` (0.8), whatever its score: the value then comes
-    from the rank decay alone, as dsRAG's ``ignore_absolute_relevance`` does."""
+    from the rank decay alone, as dsRAG's ``ignore_absolute_relevance`` does.
+    """
     return np.full(np.shape(scores), RANK_ONLY_RELEVANCE, dtype=np.float64)
 
 
@@ -322,7 +323,8 @@ def calibrate(
 
 def reject_nan(scores: list[float | None]) -> None:
     """Raise ``ValueError`` if a score is NaN (it would otherwise hide among missing scores),
-    or not a number at all."""
+    or not a number at all.
+    """
     for score in scores:
         if score is None:
             continue

@@ -58,7 +58,8 @@ _NEXT, _PREVIOUS = NodeRelationship.NEXT, NodeRelationship.PREVIOUS
 
 def stable_chunk_id(doc_id: str, index: int) -> str:
     """The node id :class:`ChunkIndexer` gives chunk ``index`` of document ``doc_id`` with
-    ``stable_ids=True``: a UUID (version 5) of the two, valid in every vector store."""
+    ``stable_ids=True``: a UUID (version 5) of the two, valid in every vector store.
+    """
     return _stable_id(doc_id, int(index))
 
 
@@ -168,7 +169,8 @@ class ChunkIndexer(TransformComponent):
     def _number(self, doc_id: str, ordered: list[BaseNode]) -> tuple[list[int], bool]:
         """Each node's index, and whether the call holds the whole document (no link leads out
         of it); indices stamped before are kept where the call cannot vouch for its own, and
-        without them it raises."""
+        without them it raises.
+        """
         ids = {node.node_id for node in ordered}
         indices = [0]
         problem = _missing_start(ordered, ids)
@@ -208,7 +210,8 @@ class ChunkIndexer(TransformComponent):
 def _refuse_documents(nodes: Sequence[BaseNode]) -> None:
     """Raise when the call holds whole documents: ChunkIndexer was put before the splitter (or
     the splitter was left out), and would stamp nothing without a word; or chunks with
-    children, which overlap their own children."""
+    children, which overlap their own children.
+    """
     if documents := [n for n in nodes if isinstance(n, Document) and n.ref_doc_id is None]:
         raise ValueError(
             f"ChunkIndexer got {len(documents)} whole document(s) (e.g. "
@@ -228,7 +231,8 @@ def _refuse_documents(nodes: Sequence[BaseNode]) -> None:
 
 def _refuse_shared_ids(by_document: dict[str, list[tuple[int, BaseNode]]]) -> None:
     """Raise when chunks of different documents (SOURCE hashes differ) share one document id:
-    numbered as one document, RSE would join them into one segment."""
+    numbered as one document, RSE would join them into one segment.
+    """
     for doc_id, members in by_document.items():
         if len({source_hash(node) for _, node in members} - {None}) > 1:
             raise ValueError(

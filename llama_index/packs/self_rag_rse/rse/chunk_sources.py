@@ -111,7 +111,8 @@ class ChunkSource:
     # -- async ------------------------------------------------------------------------------
     async def arun(self, request: ChunkRequest) -> Any:
         """Answer ``request`` with the stores' async APIs; a vector store with only a sync
-        client is read with it in a worker thread (see ``common/stores.py``)."""
+        client is read with it in a worker thread (see ``common/stores.py``).
+        """
         self.calls += 1
         if not self._by_docstore(request) and sync_client(self.vector_store) is not None:
             return await in_thread(self.vector_store, self._run, request)

@@ -66,7 +66,8 @@ class ContextBudget:
     the search spends (a token limit at the characters per token of the hits' ``texts``), and
     the header sizes measured on the way (kept for every search round of the call); ``partial``:
     a piece of a hit may fill what the segments leave (:data:`MIN_PIECE_CHARS` at least);
-    ``headers``: segments show their headers (:func:`~.segment_nodes.segment_nodes`)."""
+    ``headers``: segments show their headers (:func:`~.segment_nodes.segment_nodes`).
+    """
 
     def __init__(
         self, max_chars: int | None, max_tokens: int | None, tokenizer: Any, texts: Sequence[str],
@@ -115,7 +116,8 @@ class ContextBudget:
         """Segments of ``laid_out`` worth most within the budget, then the best remaining hits
         (``hit_ids``, best first: equal values fill as top-k would) that fit. The best
         ``keep_top_hits`` hits are in as far as they fit together: each one's value is raised
-        above everything else together, so a best choice holds as many as fit."""
+        above everything else together, so a best choice holds as many as fit.
+        """
         values, splits = laid_out.values, laid_out.document_splits
         first, step = self._chunk_costs(laid_out, layouts)
         where: dict[str, int] = {}
@@ -137,7 +139,8 @@ class ContextBudget:
         rest fits; after a drop, add the ``spares`` (hits as one-chunk segments, best first)
         that fit and touch no segment kept. The unplaced nodes follow as far as they fit (the
         rest go to ``extraction.left_out``); with :attr:`partial`, the free part of the best spare
-        worth more than 0 (:func:`~.segment_nodes.free_text`) fills what is left."""
+        worth more than 0 (:func:`~.segment_nodes.free_text`) fills what is left.
+        """
         kept = sorted(extraction.segments, key=lambda s: -s.value)
         costs = [self.cost(s.nodes) for s in kept]
         while kept and not self.fits(_sum(costs)):
@@ -195,7 +198,8 @@ class ContextBudget:
         self, laid_out: SegmentExtraction, layouts: Mapping[str, DocumentLayout]
     ) -> tuple[np.ndarray, np.ndarray]:
         """``(first, step)`` costs in characters of every position laid out (see the module
-        docstring). Positions not at hand get ``first = 0``: only hits begin a segment."""
+        docstring). Positions not at hand get ``first = 0``: only hits begin a segment.
+        """
         firsts, steps = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
         for region in laid_out.regions:
             layout = layouts[region.doc_id]
@@ -241,7 +245,8 @@ class ContextBudget:
 
 def _step_without_offsets(before: BaseNode | None, node: BaseNode | None, typical: int) -> int:
     """A step where offsets cannot give it: the stitched growth of the pair, the chunk's
-    length, or (neither text at hand) the document's typical chunk."""
+    length, or (neither text at hand) the document's typical chunk.
+    """
     if node is None:
         return typical
     text = node.get_content()

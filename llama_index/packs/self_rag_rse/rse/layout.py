@@ -358,7 +358,8 @@ def read_missing(
 ) -> Generator[ChunkRequest, Any, list[BaseNode]]:
     """Read the ``missing`` chunks: by id where a store listed the document or the chunks have
     stable ids, else by index (also for chunks not found under their stable id, when
-    ``by_index_ok``: the source can read by index)."""
+    ``by_index_ok``: the source can read by index).
+    """
     by_id: list[str] = []
     by_index: dict[str, list[int]] = {}
     stable: dict[str, dict[str, int]] = {}  # document -> stable id -> position

@@ -98,7 +98,8 @@ def char_span(node: BaseNode) -> tuple[int | None, int | None]:
 
 def off_span(node: BaseNode) -> bool:
     """Whether ``node`` holds more or less text than its offsets span (changed after splitting:
-    a sentence window put in, a compressor's cut)."""
+    a sentence window put in, a compressor's cut).
+    """
     start, end = char_span(node)
     return start is not None and end is not None and len(node.get_content()) != end - start
 

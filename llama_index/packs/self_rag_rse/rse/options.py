@@ -226,7 +226,8 @@ class SegmentOptions(BaseModel):
     @property
     def relevance_calibration(self) -> Any:
         """The calibration in use: the one given, else 'spread' under a budget, else
-        'cosine_adaptive'."""
+        'cosine_adaptive'.
+        """
         if self.calibration is not None:
             return self.calibration
         return "spread" if self.budgeted else "cosine_adaptive"

@@ -82,7 +82,8 @@ def by_version(ordered: Sequence[BaseNode], hits: Sequence[BaseNode]) -> list[Ba
 
 def adjacent(left: BaseNode, right: BaseNode) -> bool:
     """Whether ``right`` is known to follow ``left`` directly (a link, or touching offsets),
-    and both come from the same version of their document."""
+    and both come from the same version of their document.
+    """
     if version_conflict(left, right) is not None:
         return False
     if linked(left, right):
@@ -137,7 +138,8 @@ def link_conflict(left: BaseNode, right: BaseNode) -> str | None:
 
 def version_conflict(left: BaseNode, right: BaseNode) -> str | None:
     """Why ``left`` and ``right`` are of different versions of their document, or ``None``
-    (also when either version is unknown)."""
+    (also when either version is unknown).
+    """
     a, b = node_version(left, CHUNK_VERSION_KEY), node_version(right, CHUNK_VERSION_KEY)
     if a is None or b is None or a == b:
         return None
@@ -151,7 +153,8 @@ def join_conflict(left: BaseNode, right: BaseNode) -> str | None:
     """Why ``left`` and ``right`` must not be joined whatever their texts say, or ``None``:
     different versions of the document, a link that names another node, or a start offset that
     runs backwards (chunks of two chunkings: an unchanged document re-ingested with another
-    splitter keeps its version and its first chunks' stable ids, not the rest)."""
+    splitter keeps its version and its first chunks' stable ids, not the rest).
+    """
     if (conflict := version_conflict(left, right) or link_conflict(left, right)) is not None:
         return conflict
     (a, _), (b, _) = char_span(left), char_span(right)

@@ -211,7 +211,8 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
         budget: ContextBudget | None,
     ) -> Generator[ChunkRequest, Any, tuple[list[Segment], list[DocumentRegion]]]:
         """Search, read the chunks the segments need, search again where reads showed holes;
-        returns the segments with their members and nodes, and the regions last searched."""
+        returns the segments with their members and nodes, and the regions last searched.
+        """
         penalty = float(self._param("irrelevant_chunk_penalty"))
         length = int(self._param("max_length"))
         rounds = 0
@@ -244,7 +245,8 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
     ) -> tuple[list[NodeWithScore], dict[str, float], list[NodeWithScore]]:
         """Deduplicate, rank by score and turn scores into chunk values: returns the hits with
         a source document, their values by node id (best first: ties go by rank), and the
-        nodes that pass through."""
+        nodes that pass through.
+        """
         reject_nan([item.score for item in nodes])
         best: dict[str, NodeWithScore] = {}
         other: list[NodeWithScore] = []  # one id, another text: passed through, not dropped

@@ -108,7 +108,8 @@ def segment_nodes(segment: Segment, headers: bool = True) -> list[TextNode]:
 
 def cut_node(node: BaseNode, start: int, keep: int) -> BaseNode | None:
     """``node``'s text from ``start``, at most ``keep`` characters, cut at a word boundary (none in
-    its second half: before a character, not a mark) unless it runs to the end; None: empty."""
+    its second half: before a character, not a mark) unless it runs to the end; None: empty.
+    """
     whole = node.get_content()
     window = whole[start : start + keep + 1]
     if start + keep < len(whole):
@@ -138,7 +139,8 @@ def cut_node(node: BaseNode, start: int, keep: int) -> BaseNode | None:
 def drop_given_text(segments: Sequence[Segment]) -> list[Segment]:
     """``segments`` without the text an earlier node of their document gives: with a splitter
     overlap above half a chunk, segments that do not touch can share text. A node whose range
-    is unknown stays whole; a segment left without nodes is dropped."""
+    is unknown stays whole; a segment left without nodes is dropped.
+    """
     placed = [(span, s, n) for s in segments for n in s.nodes if (span := _exact_range(n))]
     given: dict[str, int] = {}  # per document: where the text given so far ends
     for (start, end), segment, node in sorted(placed, key=lambda p: (p[1].doc_id, p[0])):
@@ -161,7 +163,8 @@ def _exact_range(node: BaseNode) -> tuple[int, int] | None:
 
 def free_text(spare: Segment, kept: Sequence[Segment]) -> tuple[int, int] | None:
     """The ``[start, end)`` of a one-chunk ``spare``'s text that no ``kept`` segment gives
-    (a neighbour's overlap cut off), or None: inside a segment, or offsets cannot tell."""
+    (a neighbour's overlap cut off), or None: inside a segment, or offsets cannot tell.
+    """
     node = spare.members[0]
     lo, hi, (first, _) = 0, len(node.get_content()), char_span(node)
     for s in (s for s in kept if s.touches(spare)):

@@ -326,7 +326,8 @@ class _QueryState:
 
     def _scan_dense(self, starts: IntArray) -> tuple[FloatArray, IntArray]:
         """:meth:`_scan` for many starts of a long meta-document: every position advances one
-        chunk per step through contiguous slices, which beats gathering (start, length) cells."""
+        chunk per step through contiguous slices, which beats gathering (start, length) cells.
+        """
         n = self.free.shape[0]
         acc = np.full(n, -np.inf)
         acc[starts] = 0.0 + self.values[starts]  # +0.0 as dsRAG's sum(); starts may be walls
@@ -393,7 +394,8 @@ def positive_int(value: int, name: str, meaning: str) -> int:
 
 def as_value_matrix(all_relevance_values: Sequence[Sequence[float]] | NDArray[Any]) -> FloatArray:
     """Chunk values as a float64 (queries, chunks) matrix; ``ValueError`` for ragged rows,
-    non-finite values or values too large to sum exactly (shared with the budgeted search)."""
+    non-finite values or values too large to sum exactly (shared with the budgeted search).
+    """
     if isinstance(all_relevance_values, np.ndarray):
         if all_relevance_values.ndim != 2:
             raise ValueError(

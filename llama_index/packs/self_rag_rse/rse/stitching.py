@@ -153,7 +153,8 @@ def stitch_with_breaks(
     distrust: Sequence[bool] | None,
 ) -> tuple[list[StitchedText], list[Break]]:
     """:func:`stitch_chunks` and :func:`find_breaks` in one pass: the pieces, and a break
-    between every two of them."""
+    between every two of them.
+    """
     if not texts:
         return [StitchedText("", None, None, 0, 0, 0)], []
     spans = [(None, None)] * len(texts) if spans is None else list(spans)

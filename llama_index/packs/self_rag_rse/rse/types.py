@@ -80,7 +80,8 @@ class SegmentExtraction:
     document, the holes that kept chunks apart, how many store reads it took, a ``note`` saying
     why nothing was returned when nodes came in but no segment did, and (under a context
     budget) the unplaced nodes ``left_out`` because they did not fit.
-    :func:`~llama_index.packs.self_rag_rse.plot_segments` draws it."""
+    :func:`~llama_index.packs.self_rag_rse.plot_segments` draws it.
+    """
 
     regions: list[DocumentRegion]
     segments: list[Segment]

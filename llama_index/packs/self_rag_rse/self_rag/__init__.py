@@ -1,5 +1,7 @@
-"""Self-RAG for LlamaIndex, read bottom-up: the critic contract (``contract``), reflection scoring
-(``reflection``, ``labels``), prompts and the backend contract (``prompts``, ``backend``,
-``llm_backend``), the prompted critic, then the flow (``retrieval``, ``flow``, ``short_form``,
-``long_form``, ``trace``) and the engine (``engine``). ``factory`` is the one module that
-builds critics from the transports (``llamacpp``, ``served``)."""
+"""Self-RAG for LlamaIndex: the engine above the critic floor (``critic/``), read bottom-up.
+
+The flow (``retrieval``, ``flow``, ``short_form``, ``long_form``, ``trace``) runs over a
+:class:`~.flow.FlowParts` record and never sees the engine; ``engine`` is the user-facing
+``SelfRAGQueryEngine``. ``factory`` is the one module here that imports a transport
+(``llamacpp/``, ``served/``): it builds critics from what users pass.
+"""

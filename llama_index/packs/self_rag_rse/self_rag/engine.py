@@ -51,15 +51,15 @@ from llama_index.packs.self_rag_rse.common.options import (
     require_finite,
 )
 from llama_index.packs.self_rag_rse.common.streams import astripped, stripped
-from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic, ParagraphJudgement
-from llama_index.packs.self_rag_rse.self_rag.factory import build_critic
-from llama_index.packs.self_rag_rse.self_rag.flow import FlowParts, Outcome, check_query, query_meta
-from llama_index.packs.self_rag_rse.self_rag.long_form import long_form, long_form_unsupported
-from llama_index.packs.self_rag_rse.self_rag.prompts import (
+from llama_index.packs.self_rag_rse.critic.contract import BaseCritic, ParagraphJudgement
+from llama_index.packs.self_rag_rse.critic.prompts import (
     ENGINE_PROMPT_VARIABLES,
     ENGINE_PROMPTS,
     as_template,
 )
+from llama_index.packs.self_rag_rse.self_rag.factory import build_critic
+from llama_index.packs.self_rag_rse.self_rag.flow import FlowParts, Outcome, check_query, query_meta
+from llama_index.packs.self_rag_rse.self_rag.long_form import long_form, long_form_unsupported
 from llama_index.packs.self_rag_rse.self_rag.retrieval import paragraph_text, retrieve
 from llama_index.packs.self_rag_rse.self_rag.short_form import Corrective, short_form
 from llama_index.packs.self_rag_rse.self_rag.trace import print_table
@@ -345,7 +345,8 @@ class SelfRAGQueryEngine(CustomQueryEngine):
 
     def close(self) -> None:
         """Free the critic the engine built and the model it loaded (``model_path=``); a critic
-        or model the caller passed in stays open: whoever created it closes it."""
+        or model the caller passed in stays open: whoever created it closes it.
+        """
         if self._owns_critic and self._critic is not None:
             self._critic.close()
         if self._owned_model is not None:
@@ -424,7 +425,8 @@ class SelfRAGQueryEngine(CustomQueryEngine):
     async def _run(self, bundle: QueryBundle, blocking: bool) -> Outcome:
         """The query's flow, the same for ``query`` and ``aquery``: the gate, then the short
         or the long form; sources and metadata are complete when it returns. ``blocking``
-        (``query``): retrieve with the blocking methods (see :func:`~.retrieval.retrieve`)."""
+        (``query``): retrieve with the blocking methods (see :func:`~.retrieval.retrieve`).
+        """
         meta = query_meta(self._critic.name, self.long_form)
         outcome = await self._flow(bundle, meta, blocking)
         if self.verbose:

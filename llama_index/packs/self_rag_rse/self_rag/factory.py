@@ -15,11 +15,11 @@ from inspect import signature
 from typing import Any
 
 from llama_index.packs.self_rag_rse.common.options import reject_unknown
+from llama_index.packs.self_rag_rse.critic.backend import CriticBackend
+from llama_index.packs.self_rag_rse.critic.contract import BaseCritic
+from llama_index.packs.self_rag_rse.critic.prompted_critic import PromptedCritic
+from llama_index.packs.self_rag_rse.critic.reflection import MissingReflectionTokens
 from llama_index.packs.self_rag_rse.llamacpp.compat import import_llama_cpp, llama_of
-from llama_index.packs.self_rag_rse.self_rag.backend import CriticBackend
-from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic
-from llama_index.packs.self_rag_rse.self_rag.prompted_critic import PromptedCritic
-from llama_index.packs.self_rag_rse.self_rag.reflection import MissingReflectionTokens
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,8 @@ class BuiltCritic:
 
 def load_llama(model_path: str, model_kwargs: Mapping[str, Any] | None = None) -> Any:
     """A ``llama_cpp.Llama`` on the GGUF at ``model_path`` (:data:`DEFAULT_MODEL_KWARGS` under
-    ``model_kwargs``); the engine's ``model_path=`` loads through here."""
+    ``model_kwargs``); the engine's ``model_path=`` loads through here.
+    """
     llama = import_llama_cpp("model_path").Llama
     # Llama drops keyword arguments it does not know: a misspelt option would vanish.
     reject_unknown("model_kwargs", model_kwargs or {}, signature(llama).parameters)
@@ -49,7 +50,8 @@ def load_llama(model_path: str, model_kwargs: Mapping[str, Any] | None = None) -
 
 def _backend(model: Any, max_new_tokens: int) -> CriticBackend:
     """Batched llama.cpp decoding for a ``LlamaCPP`` or ``llama_cpp.Llama``; concurrent calls
-    for any other LlamaIndex ``LLM``."""
+    for any other LlamaIndex ``LLM``.
+    """
     from llama_index.core.llms import LLM
 
     if llama_of(model) is not None:
@@ -57,7 +59,7 @@ def _backend(model: Any, max_new_tokens: int) -> CriticBackend:
 
         return LlamaCppBackend(model, max_new_tokens=max_new_tokens)
     if isinstance(model, LLM):
-        from llama_index.packs.self_rag_rse.self_rag.llm_backend import LLMBackend
+        from llama_index.packs.self_rag_rse.critic.llm_backend import LLMBackend
 
         return LLMBackend(model)
     raise TypeError(
@@ -81,7 +83,8 @@ def build_critic(
     (reflection when the model has every reflection token, prompted otherwise, with a warning
     when it has only some) or a built critic. For a served LLM (``OpenAILike``,
     ``OpenAI(api_base=...)``), ``"auto"`` asks the server whether its model has the tokens:
-    completion models only, never a hosted API such as api.openai.com."""
+    completion models only, never a hosted API such as api.openai.com.
+    """
     if model_kwargs and model_path is None:
         raise ValueError("model_kwargs= applies to the model loaded from model_path=: set yours")
     if isinstance(critic, BaseCritic):
@@ -173,7 +176,8 @@ def _served_reflection(critic: str, llm: Any, *, max_new_tokens: int) -> BaseCri
 
     ``None`` when ``llm`` is not served, or (``critic="auto"``) when it is a chat model, a hosted
     API, or its server's model lacks (or cannot identify) the reflection tokens. With
-    ``critic="reflection"`` those cases raise, and so does an unreachable server in both modes."""
+    ``critic="reflection"`` those cases raise, and so does an unreachable server in both modes.
+    """
     from llama_index.packs.self_rag_rse.served.endpoint import endpoint_of
 
     endpoint = endpoint_of(llm)

@@ -1,6 +1,7 @@
 """The records the Self-RAG flow runs on, and the passages both forms judge: per query the
 engine builds a :class:`FlowParts` for :func:`~.short_form.short_form` or
-:func:`~.long_form.long_form`, which never see the engine itself."""
+:func:`~.long_form.long_form`, which never see the engine itself.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
-from llama_index.packs.self_rag_rse.self_rag.contract import BaseCritic, ParagraphJudgement, astream
+from llama_index.packs.self_rag_rse.critic.contract import BaseCritic, ParagraphJudgement, astream
 from llama_index.packs.self_rag_rse.self_rag.retrieval import Retrieval, node_text
 
 
@@ -19,7 +20,8 @@ from llama_index.packs.self_rag_rse.self_rag.retrieval import Retrieval, node_te
 class FlowParts:
     """What the forms need: ``retrieve`` (the retriever and the postprocessors, for a search
     text), the critic, ``score`` (a judgement's final score), ``paragraph`` (the text the critic
-    reads for a node), the engine's prompts, ``ndocs`` and the query's trace."""
+    reads for a node), the engine's prompts, ``ndocs`` and the query's trace.
+    """
 
     critic: BaseCritic
     retrieve: Callable[[str], Awaitable[Retrieval]]
@@ -35,7 +37,8 @@ class FlowParts:
 
     def checked(self, method: str, out: Any, count: int | None = None) -> Any:
         """What the critic's ``method`` returned, when it keeps the contract (``count``
-        judgements, each with text as its answer; ``None``: text), else a ``TypeError``."""
+        judgements, each with text as its answer; ``None``: text), else a ``TypeError``.
+        """
         if count is None:
             kept, what = isinstance(out, str), "text"
         else:
@@ -52,7 +55,8 @@ class FlowParts:
 class Outcome:
     """Where the flow ended: the answer (``None``: the model answers alone, with no evidence,
     and may stream it), the sources (best first; long form: the cited passages) and the
-    metadata; long form's answer is ``pieces`` (its cited segments) joined by spaces."""
+    metadata; long form's answer is ``pieces`` (its cited segments) joined by spaces.
+    """
 
     answer: str | None
     sources: list[NodeWithScore]
@@ -61,7 +65,8 @@ class Outcome:
 
     def stream(self) -> list[str] | None:
         """The known answer's stream: one piece, or long form's segments (they join to the
-        answer); ``None`` when the model answers alone and streams as it writes."""
+        answer); ``None`` when the model answers alone and streams as it writes.
+        """
         if self.answer is None:
             return None
         first, *rest = self.pieces or [self.answer]
@@ -106,7 +111,8 @@ async def passages(
     """Retrieve for ``text``, leave out nodes already ``seen`` (their ids), trace the retrieval
     (``where`` says which round or depth), skip empty paragraphs (traced, and added to
     ``seen``) and cut to ``ndocs``: the paragraphs a form judges (empty ones never take a
-    place: an image node ranked first leaves room for the next paragraph with text)."""
+    place: an image node ranked first leaves room for the next paragraph with text).
+    """
     retrieved = await parts.retrieve(text)
     nodes = [n for n in retrieved.nodes if seen is None or n.node.node_id not in seen]
     empty = [n.node.node_id for n in nodes if not node_text(n).strip()]

@@ -21,7 +21,7 @@ from typing import Any
 
 from llama_index.core.schema import NodeWithScore
 
-from llama_index.packs.self_rag_rse.self_rag.contract import Continuation
+from llama_index.packs.self_rag_rse.critic.contract import Continuation
 from llama_index.packs.self_rag_rse.self_rag.flow import FlowParts, Outcome, passages
 
 #: A segment's scores, as its row names them.
@@ -81,7 +81,8 @@ async def long_form(
 ) -> Outcome:
     """The beam search for ``query`` (after the gate said retrieve); returns the best path.
     ``boundary_threshold``: where a generated ``[No Retrieval]`` ends a segment (see
-    :meth:`~.contract.BaseCritic.awrite_segments`)."""
+    :meth:`~.contract.BaseCritic.awrite_segments`).
+    """
     trace = parts.trace
     meta["retrieve"] = True
     start = await parts.critic.astart_path(query)

@@ -1,5 +1,6 @@
 """Retrieval for the Self-RAG flow: the retriever, then the engine's postprocessors, with what a
-retriever or postprocessor returned checked and named."""
+retriever or postprocessor returned checked and named.
+"""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def node_text(item: NodeWithScore) -> str:
 def paragraph_text(item: NodeWithScore, title_key: str | Sequence[str] | None) -> str:
     """The paragraph the critic reads: an optional title line (the first non-empty value of the
     ``title_key`` metadata keys), then the node's text. A lone surrogate (bytes read with
-    ``errors="surrogateescape"``) cannot be encoded for any model: it reads as U+FFFD."""
+    ``errors="surrogateescape"``) cannot be encoded for any model: it reads as U+FFFD.
+    """
     text = node_text(item)
     for key in [title_key] if isinstance(title_key, str) else (title_key or []):
         title = item.node.metadata.get(key)
@@ -48,7 +50,8 @@ def paragraph_text(item: NodeWithScore, title_key: str | Sequence[str] | None) -
 
 def checked_nodes(nodes: Any, source: Any) -> list[NodeWithScore]:
     """``nodes`` as a list, or a ``TypeError`` naming the retriever or postprocessor that
-    returned something other than a list of ``NodeWithScore``."""
+    returned something other than a list of ``NodeWithScore``.
+    """
     name = type(source).__name__
     if nodes is None or isinstance(nodes, (str, bytes)) or not hasattr(nodes, "__iter__"):
         raise TypeError(
@@ -69,7 +72,8 @@ def checked_nodes(nodes: Any, source: Any) -> list[NodeWithScore]:
 def _retriever_errors(retriever: Any) -> Iterator[None]:
     """Name the retriever in a type error from core's handling of what it returned (core
     iterates the nodes before we see them: a ``_retrieve`` returning ``None`` fails there); an
-    error raised inside the retriever's own work goes on unchanged."""
+    error raised inside the retriever's own work goes on unchanged.
+    """
     try:
         yield
     except (TypeError, AttributeError) as error:
@@ -92,7 +96,8 @@ async def retrieve(
     ``blocking`` (a synchronous query) calls their blocking methods, in worker threads: a
     retriever without async support works, and the event loop stays free meanwhile. ``bundle``:
     the caller's ``QueryBundle``, used whole (its ``custom_embedding_strs`` or ``embedding``,
-    e.g. HyDE's) when ``text`` is its question; a rewrite gets a bundle of its own."""
+    e.g. HyDE's) when ``text`` is its question; a rewrite gets a bundle of its own.
+    """
     bundle = bundle if getattr(bundle, "query_str", None) == text else QueryBundle(text)
     store = vector_store_of(retriever)
     with _retriever_errors(retriever):

@@ -13,7 +13,7 @@ from typing import Any
 
 from llama_index.core.schema import NodeWithScore
 
-from llama_index.packs.self_rag_rse.self_rag.contract import ParagraphJudgement
+from llama_index.packs.self_rag_rse.critic.contract import ParagraphJudgement
 from llama_index.packs.self_rag_rse.self_rag.flow import FlowParts, Outcome, passages
 
 
@@ -102,7 +102,8 @@ async def _ensure_support(
 ) -> Candidate | None:
     """The corrective loop's last step: regenerate an unsupported best answer (grounded in its
     paragraph, ``max_regenerations`` times), then fall back to the next-best answer whose
-    support reaches ``support_threshold``, else keep the best."""
+    support reaches ``support_threshold``, else keep the best.
+    """
     threshold = corrective.support_threshold
     ranked = sorted(_usable(candidates), key=lambda c: -c.score)
     if not ranked or ranked[0].judgement.support >= threshold:
@@ -149,7 +150,8 @@ def _outcome(
     chosen: Candidate | None, candidates: list[Candidate], meta: dict[str, Any], retrieved: bool
 ) -> Outcome:
     """The chosen answer with every judged paragraph as a source (the chosen one first, then by
-    score; an empty answer can outscore the chosen one but cannot be the response)."""
+    score; an empty answer can outscore the chosen one but cannot be the response).
+    """
     meta["retrieve"] = retrieved
     meta["paragraphs"] = [_row(c) for c in candidates]
     if chosen is not None:

@@ -9,7 +9,8 @@ from llama_index.packs.self_rag_rse.common.notes import print_escaped
 
 def print_table(meta: dict[str, Any]) -> None:
     """Print the per-paragraph scores (or, in long form, the paths of each depth) and the
-    trace, from the response's ``metadata["self_rag"]``."""
+    trace, from the response's ``metadata["self_rag"]``.
+    """
     prob = meta["retrieve_prob"]
     print_escaped(
         f"Self-RAG [{meta['critic']}] retrieve={meta['retrieve']}"

@@ -8,8 +8,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from llama_index.packs.self_rag_rse.self_rag.contract import Continuation
-from llama_index.packs.self_rag_rse.self_rag.reflection import (
+from llama_index.packs.self_rag_rse.critic.contract import Continuation
+from llama_index.packs.self_rag_rse.critic.reflection import (
     GROUNDING_TOKENS,
     NO_RETRIEVAL,
     PARAGRAPH_CLOSE,
@@ -61,7 +61,8 @@ async def answer_of(
     backend: CompletionAPI, info: ServerInfo, completion: Completion, end: int | None = None
 ) -> str:
     """The answer without reflection tokens, end-of-generation or quoted evidence (of the
-    first ``end`` positions, when given)."""
+    first ``end`` positions, when given).
+    """
     positions = completion.positions
     if end is None:
         end = len(positions) - 1 if backend.ends_with_eog(completion) else len(positions)
@@ -74,7 +75,8 @@ async def answer_of(
 def text_so_far(info: ServerInfo, completion: Completion) -> str | None:
     """The answer of a completion still streaming, from all but its newest token (which may be
     the end of generation), as :func:`answer_of` will read it, up to a token named "" (which
-    llama-cpp-python streams no text for); ``None`` when a token came without its bytes or text."""
+    llama-cpp-python streams no text for); ``None`` when a token came without its bytes or text.
+    """
     positions = completion.positions[:-1]
     keep = answer_positions(info, positions)
     pieces = [positions[i].piece for i in keep]
@@ -101,7 +103,8 @@ async def write_segment(
     p([Retrieval]) / (p([Retrieval]) + p([No Retrieval])) exceeds ``boundary_threshold``), and
     scored as the in-process critic scores it. The server cannot stop at a token id, so it
     writes up to ``max_new_tokens`` and the rest past the boundary is dropped (greedy decoding
-    makes the kept part the same)."""
+    makes the kept part the same).
+    """
     completion = await backend.complete(info, prompt, max_new_tokens, top_n)
     keys = completion.keys
     retrieval, no_retrieval = info.keys[RETRIEVAL], info.keys[NO_RETRIEVAL]
@@ -139,7 +142,8 @@ async def write_segment(
 
 def group_needs(info: ServerInfo, keys: list[str], reach: int) -> list[tuple[int, str]]:
     """Where a score reads a whole reflection group: relevance at the first position, support
-    and utility where the first of theirs was generated (before position ``reach``)."""
+    and utility where the first of theirs was generated (before position ``reach``).
+    """
     needs: list[tuple[int, str]] = [(0, "relevance")] if keys else []
     for group, members in (("support", GROUNDING_TOKENS), ("utility", UTILITY_TOKENS)):
         wanted = {info.keys[t] for t in members}
@@ -176,7 +180,8 @@ def paragraph_marks(info: ServerInfo) -> tuple[list[int], list[int]]:
 
 def token_api(backend: CompletionAPI, url: str) -> TokenIds:
     """What tokenizes for long form, where a path continues from the very tokens the model
-    wrote, which only an API that speaks token ids can send back (``url`` for the message)."""
+    wrote, which only an API that speaks token ids can send back (``url`` for the message).
+    """
     tokens = backend.token_ids()
     if tokens is None:
         raise ValueError(
@@ -192,7 +197,8 @@ def fit_passage(
     info: ServerInfo, context: tuple[int, ...], evidence: list[int], max_new_tokens: int
 ) -> list[int]:
     """``context + evidence`` (``[Retrieval]<paragraph>...</paragraph>``), the passage cut from
-    its end to leave ``max_new_tokens`` positions in the server's slot, when its size is known."""
+    its end to leave ``max_new_tokens`` positions in the server's slot, when its size is known.
+    """
     if info.n_ctx is None:
         return [*context, *evidence]
     room = info.n_ctx - len(context) - max_new_tokens
@@ -212,7 +218,8 @@ def each_or_error(results: Sequence[T | BaseException], failed: Callable[[int, s
     """The results of concurrent requests, one per paragraph: a request that failed on its own
     becomes ``failed(index, error)`` and is logged; a failure that says no answer of this server can
     be trusted (not greedy, reflection tokens unidentifiable), an interrupt, or the first failure
-    when every request failed (nothing was judged: a rate limit, a wrong key or model) is raised."""
+    when every request failed (nothing was judged: a rate limit, a wrong key or model) is raised.
+    """
     out: list[T] = []
     for i, result in enumerate(results):
         if isinstance(result, BaseException):

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from llama_index.packs.self_rag_rse.self_rag.reflection import SELF_RAG_SPECIAL_TOKENS
+from llama_index.packs.self_rag_rse.critic.reflection import SELF_RAG_SPECIAL_TOKENS
 from llama_index.packs.self_rag_rse.served.http import JSONClient
 from llama_index.packs.self_rag_rse.served.wire import Completion, Position
 
@@ -30,7 +30,8 @@ class ServerInfo:
     log-probs (``token_id:<id>`` or the string itself); ``verified`` says whether the server
     confirmed them (an OpenAI-style server without ``echo`` cannot). ``server`` is the kind of
     server (:func:`~.greedy.server_kind`) and ``sampling`` the fields every completion request
-    carries to decode greedily there (``request_options`` included)."""
+    carries to decode greedily there (``request_options`` included).
+    """
 
     api: str
     keys: dict[str, str]
@@ -47,7 +48,8 @@ class Layout:
     """Where Self-RAG strings go around user text: ``prompt + after_prompt``, then per
     paragraph ``paragraph + after_paragraph`` (one prompt each; none: one prompt in all).
     ``reserve`` positions are kept free for the answer when a paragraph must be shortened;
-    ``cuts``: the tokens each paragraph lost that way (set by the API that shortened it)."""
+    ``cuts``: the tokens each paragraph lost that way (set by the API that shortened it).
+    """
 
     after_prompt: Sequence[str] = ()
     paragraphs: Sequence[str] = ()
@@ -59,7 +61,8 @@ class Layout:
 @dataclass
 class Refetched:
     """What a follow-up request found at one position: the log-probs of a group's members
-    (their ratios exact), or ``None`` with the reason when the server could not tell them."""
+    (their ratios exact), or ``None`` with the reason when the server could not tell them.
+    """
 
     values: dict[str, float] | None
     requests: int
@@ -98,7 +101,8 @@ class CompletionAPI(Protocol):
         self, info: ServerInfo, prompt: Any, max_new_tokens: int, top_n: int
     ) -> AsyncIterator[Completion]:
         """:meth:`complete` through the server's streaming API: the completion's pieces (each
-        with its positions' log-probs) as the server sends them; they join to the whole."""
+        with its positions' log-probs) as the server sends them; they join to the whole.
+        """
 
     async def refetch(
         self, info: ServerInfo, prompt: Any, generated: Sequence[str], top_n: int | None
@@ -114,7 +118,8 @@ class CompletionAPI(Protocol):
         members: Sequence[str],
     ) -> Refetched:
         """Log-probs of ``members`` at ``position`` of ``completion`` (after ``prompt`` and the
-        tokens generated before it), from one or two more requests."""
+        tokens generated before it), from one or two more requests.
+        """
 
     async def answer_text(self, info: ServerInfo, completion: Completion, keep: list[int]) -> str:
         """The text of the positions ``keep`` of ``completion``."""
@@ -127,7 +132,8 @@ class CompletionAPI(Protocol):
 
     def token_ids(self) -> TokenIds | None:
         """What tokenizes for prompts sent as ids (long form continues a path from the very
-        tokens the model wrote), or ``None`` when this server only takes text."""
+        tokens the model wrote), or ``None`` when this server only takes text.
+        """
 
 
 def clean_user_text(text: str) -> str:

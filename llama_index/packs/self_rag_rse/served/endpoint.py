@@ -50,7 +50,8 @@ def endpoint_of(llm: Any) -> Endpoint | None:
 
 def _seconds(value: Any) -> float | None:
     """An LLM's timeout when it is a finite number of seconds > 0; else ``None`` (the critic's
-    default applies: an infinite or missing timeout would let one request hang for ever)."""
+    default applies: an infinite or missing timeout would let one request hang for ever).
+    """
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) and value > 0 else None

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from llama_index.packs.self_rag_rse.self_rag.reflection import (
+from llama_index.packs.self_rag_rse.critic.reflection import (
     GROUNDING_TOKENS,
     NO_RETRIEVAL,
     RELEVANCE_TOKENS,
@@ -43,7 +43,8 @@ class Followups:
 
     Args:
         top_n: the log-probs per position the completions asked for.
-        refetch: whether to ask the server for a group outside the top N (else bound it)."""
+        refetch: whether to ask the server for a group outside the top N (else bound it).
+    """
 
     def __init__(self, top_n: int, refetch: bool) -> None:
         self.top_n = top_n
@@ -60,7 +61,8 @@ class Followups:
     ) -> dict[str, Any]:
         """Fill unreported positions, check greedy decoding (raises
         :class:`~.greedy.ServerNotGreedy`), and make every group in ``needs`` (position, group
-        name) fully known. Returns the judgement's ``details``."""
+        name) fully known. Returns the judgement's ``details``.
+        """
         keys = completion.keys
         details: dict[str, Any] = {"api": info.api, "server": info.server}
         # Positions the server left out first: their distribution (top N), their own log-prob

@@ -80,7 +80,8 @@ TIE = 1e-4
 
 class ServerNotGreedy(ServerError):
     """The server generated a token that was not the most likely one at its position: its
-    decoding is not greedy, so answers and scores would silently differ from Self-RAG's."""
+    decoding is not greedy, so answers and scores would silently differ from Self-RAG's.
+    """
 
     def __init__(self, message: str, url: str, position: int) -> None:
         super().__init__(message, url)
@@ -89,7 +90,8 @@ class ServerNotGreedy(ServerError):
 
 def server_kind(models: Any) -> str:
     """The kind of server behind a ``/v1/models`` answer (``owned_by`` of its first model);
-    :data:`OPENAI` when it does not say."""
+    :data:`OPENAI` when it does not say.
+    """
     try:
         owner = models["data"][0]["owned_by"]
     except (KeyError, IndexError, TypeError):
@@ -107,7 +109,8 @@ CRITIC_FIELDS = frozenset(
 
 def request_fields(request_options: Any) -> dict[str, Any]:
     """``request_options`` as a dict; a value that is no mapping, or one that sets any of
-    :data:`CRITIC_FIELDS`, is refused with the fix."""
+    :data:`CRITIC_FIELDS`, is refused with the fix.
+    """
     if not isinstance(request_options, Mapping | None):
         raise TypeError(
             "ServedReflectionCritic: request_options must be a mapping of request fields, e.g. "
@@ -134,7 +137,8 @@ def check_greedy(
     the most likely one the server reported there (positions left unreported are skipped).
 
     ``server`` is the kind, ``url`` the endpoint and ``sent`` the sampling fields of the request,
-    so the message can name the option that made the difference."""
+    so the message can name the option that made the difference.
+    """
     for i, position in enumerate(completion.positions[start:], start):
         if not position.top or position.logprob is None:
             continue

@@ -95,7 +95,8 @@ class JSONClient:
         timeout: seconds one request may take in all (connecting, waiting for the model,
             reading); connecting alone gets at most 10 s.
         num_workers: most requests in flight at once (per event loop).
-        api_key: sent as ``Authorization: Bearer <key>`` when given."""
+        api_key: sent as ``Authorization: Bearer <key>`` when given.
+    """
 
     def __init__(
         self,
@@ -152,7 +153,8 @@ class JSONClient:
 
     async def post_parsed(self, path: str, body: Mapping[str, Any], parse: Callable[[Any], T]) -> T:
         """POST ``body`` to ``path`` and ``parse`` the answer; a body ``parse`` rejects
-        (:class:`~.wire.MalformedBody`) becomes :class:`MalformedResponse` naming the URL."""
+        (:class:`~.wire.MalformedBody`) becomes :class:`MalformedResponse` naming the URL.
+        """
         answer = await self.post(path, body)
         try:
             return parse(answer)
@@ -192,7 +194,8 @@ class JSONClient:
         ``timeout`` bounds the time spent waiting for the server in all, not the time the
         caller spends between events. A task of its own reads the stream, so a caller that stops
         reading but keeps the iterator (a chat UI's stopped answer) holds no worker once the
-        server has answered; closing the iterator stops the reading."""
+        server has answered; closing the iterator stops the reading.
+        """
         queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
         reader = asyncio.ensure_future(self._read(queue, path, body, parse, finished))
         reader.add_done_callback(

@@ -19,7 +19,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from llama_index.packs.self_rag_rse.self_rag.reflection import SELF_RAG_SPECIAL_TOKENS
+from llama_index.packs.self_rag_rse.critic.reflection import SELF_RAG_SPECIAL_TOKENS
 from llama_index.packs.self_rag_rse.served.apis import Layout, Refetched, ServerInfo
 from llama_index.packs.self_rag_rse.served.greedy import LLAMA_CPP, greedy_options
 from llama_index.packs.self_rag_rse.served.http import JSONClient, MalformedResponse, ServerError
@@ -50,7 +50,8 @@ class LlamaCppAPI:
 
     Args:
         client: a client on the server's root URL (``http://host:port``, no ``/v1``).
-        request_options: extra fields for every ``/completion`` body."""
+        request_options: extra fields for every ``/completion`` body.
+    """
 
     name = "llama.cpp"
     endpoint = "/completion"
@@ -96,7 +97,8 @@ class LlamaCppAPI:
 
     async def _tokenize(self, texts: Sequence[str], special: bool) -> list[list[int]]:
         """Token ids of each of ``texts`` from one ``/tokenize`` call; ``special``: the texts
-        are special tokens (parsed as such, no BOS), else user text (BOS first, not parsed)."""
+        are special tokens (parsed as such, no BOS), else user text (BOS first, not parsed).
+        """
         content = [part for text in texts for part in (text, _SEPARATOR)][:-1]
         options = {"add_special": not special, "parse_special": special}
         body = await self.client.post("/tokenize", {"content": content, **options})
@@ -116,7 +118,8 @@ class LlamaCppAPI:
     async def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of ``texts`` in one request: the first with BOS (if the model adds one),
         the rest without; user text is never parsed for special tokens, and Self-RAG tokens
-        that llama.cpp still matches in plain text (USER_DEFINED ones) are dropped."""
+        that llama.cpp still matches in plain text (USER_DEFINED ones) are dropped.
+        """
         parts = await self._tokenize(texts, special=False)
         clean = [[t for t in part if t not in self._special_ids] for part in parts]
         dropped = sum(len(p) - len(c) for p, c in zip(parts, clean, strict=True))

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
-from llama_index.packs.self_rag_rse.self_rag.reflection import (
+from llama_index.packs.self_rag_rse.critic.reflection import (
     SELF_RAG_SPECIAL_TOKENS,
     MissingReflectionTokens,
 )
@@ -90,7 +90,8 @@ class OpenAIAPI:
             vLLM's ``/tokenize``.
         max_logprobs: the most log-probs per position the server returns (vLLM:
             ``--max-logprobs``); ``None``: the whole vocabulary on llama-cpp-python, no more than
-            a completion asked for elsewhere."""
+            a completion asked for elsewhere.
+    """
 
     name = "openai"
     endpoint = "/completions"
@@ -303,7 +304,8 @@ class OpenAIAPI:
     ) -> Refetched:
         """One token after the prompt's ids (vLLM's /tokenize) and the generated ids, the
         group lifted by one shared logit bias: a server that reports log-probs after the bias
-        lists the group first; their ratios are the raw ones."""
+        lists the group first; their ratios are the raw ones.
+        """
         generated = [key_id(k) for k in completion.keys[:position]]
         if any(i is None for i in generated):
             return Refetched(None, 0, "a generated token has no id")

@@ -36,13 +36,13 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.packs.self_rag_rse.common.bridge import run_sync
 from llama_index.packs.self_rag_rse.common.options import require_counts
 from llama_index.packs.self_rag_rse.common.streams import unsent_rest
-from llama_index.packs.self_rag_rse.self_rag.contract import (
+from llama_index.packs.self_rag_rse.critic.contract import (
     BaseCritic,
     Continuation,
     ParagraphJudgement,
     RetrievalDecision,
 )
-from llama_index.packs.self_rag_rse.self_rag.reflection import (
+from llama_index.packs.self_rag_rse.critic.reflection import (
     NO_RETRIEVAL,
     PARAGRAPH_CLOSE,
     PARAGRAPH_OPEN,
@@ -87,7 +87,7 @@ Missing = Literal["auto", "refetch", "bound"]
 
 class ServedReflectionCritic(BaseCritic):
     """A Self-RAG model behind a completion server, as a critic
-    (:class:`~llama_index.packs.self_rag_rse.self_rag.contract.BaseCritic`).
+    (:class:`~llama_index.packs.self_rag_rse.critic.contract.BaseCritic`).
 
     Args:
         base_url: the server, as ``http://host:port`` or its OpenAI base ``http://host:port/v1``.
@@ -131,7 +131,8 @@ class ServedReflectionCritic(BaseCritic):
     Example::
 
         critic = ServedReflectionCritic("http://127.0.0.1:8080")
-        engine = SelfRAGQueryEngine(retriever=retriever, critic=critic)"""
+        engine = SelfRAGQueryEngine(retriever=retriever, critic=critic)
+    """
 
     name = "reflection"
 
@@ -190,7 +191,8 @@ class ServedReflectionCritic(BaseCritic):
         """The critic for the server behind an OpenAI-compatible LlamaIndex LLM.
 
         Reads ``api_base``, ``model``, ``api_key`` and ``timeout`` from ``llm`` (``OpenAILike``,
-        ``OpenAI(api_base=...)``); ``kwargs`` override them and set the other options."""
+        ``OpenAI(api_base=...)``); ``kwargs`` override them and set the other options.
+        """
         endpoint = endpoint_of(llm)
         if endpoint is None:
             raise TypeError(
@@ -295,7 +297,8 @@ class ServedReflectionCritic(BaseCritic):
         With a ``threshold``: one request for the first position's distribution, retrieve when
         p([Retrieval]) / (p([Retrieval]) + p([No Retrieval])) exceeds it. With ``None``: the greedy
         continuation decides (retrieve when it contains ``[Retrieval]``). When retrieval is skipped
-        and ``answer_if_skipped``, a second request writes the answer after ``[No Retrieval]``."""
+        and ``answer_if_skipped``, a second request writes the answer after ``[No Retrieval]``.
+        """
         backend, info = await self._ready()
         prompt = await self._prompt(backend, info, query, Layout())
         new_tokens = 1 if threshold is not None else self.max_new_tokens
@@ -327,7 +330,8 @@ class ServedReflectionCritic(BaseCritic):
 
         Prompts are ``### Instruction:\\n{query}\\n\\n### Response:\\n[Retrieval]<paragraph>``
         + paragraph + ``</paragraph>``, as in process. A paragraph whose request failed comes
-        back with ``error`` set (naming the URL) and zero scores; the others are kept."""
+        back with ``error`` set (naming the URL) and zero scores; the others are kept.
+        """
         if not paragraphs:
             return []
         backend, info = await self._ready()
@@ -368,7 +372,8 @@ class ServedReflectionCritic(BaseCritic):
         the URL. When the server generated tokens it did not stream (llama-server holds back a
         token that ends inside a UTF-8 character), text is held back from there and the rest
         comes from one non-streamed request, so the pieces still join to :meth:`agenerate`'s
-        answer."""
+        answer.
+        """
         backend, info = await self._ready()
         prompt = await self._prompt(backend, info, query, Layout(after_prompt=(NO_RETRIEVAL,)))
         url = backend.client.url(backend.endpoint)
@@ -408,7 +413,8 @@ class ServedReflectionCritic(BaseCritic):
     ) -> list[Continuation]:
         """One segment per ``(context, paragraph)``, all requests concurrent (see
         :func:`~.answers.write_segment`); a branch whose request failed comes back with
-        ``error`` set."""
+        ``error`` set.
+        """
         if not branches:
             return []
         backend, info = await self._ready()

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from llama_index.packs.self_rag_rse.self_rag.labels import (
+from llama_index.packs.self_rag_rse.critic.labels import (
     LOGPROB_ROUNDING,
     InvalidLogprob,
     checked_logprob,
@@ -65,7 +65,8 @@ class Position:
 
     ``top`` maps candidate keys to log-probs; ``None`` (with ``logprob``) when the server
     reported nothing for this position. ``pieces`` maps candidate keys to their raw bytes
-    (llama.cpp only). ``offset`` is where the token's text starts (OpenAI's ``text_offset``)."""
+    (llama.cpp only). ``offset`` is where the token's text starts (OpenAI's ``text_offset``).
+    """
 
     key: str
     logprob: float | None = None
@@ -87,7 +88,8 @@ class Position:
 @dataclass
 class Completion:
     """One completion: its positions, the text and whether it ended on end-of-generation;
-    ``finished``: whether the server said the answer ends here (a streamed one's last event)."""
+    ``finished``: whether the server said the answer ends here (a streamed one's last event).
+    """
 
     positions: list[Position]
     text: str
@@ -146,7 +148,8 @@ def _probability(value: Any, position: int, what: str) -> float:
 
 def positive_count(value: Any) -> int | None:
     """A size the server reported (``n_ctx``, ``n_vocab``) when it is a positive integer, else
-    ``None`` (``True``, ``0``, ``-1`` or ``2.5`` are no sizes)."""
+    ``None`` (``True``, ``0``, ``-1`` or ``2.5`` are no sizes).
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         return None
     return value
@@ -174,7 +177,8 @@ def _entry_top(
 
 def _bytes(raw: Any, position: int, key: str) -> bytes | None:
     """A token's raw bytes as sent (``None`` when not sent): unsigned (0..255) or, from a
-    signed char, -128..127."""
+    signed char, -128..127.
+    """
     if not isinstance(raw, list):
         return None
     if not all(isinstance(b, int) and not isinstance(b, bool) and -128 <= b < 256 for b in raw):
@@ -192,7 +196,8 @@ def parse_native(body: Any) -> Completion:
     """Read a llama.cpp ``/completion`` response (``n_probs`` > 0, ``return_tokens: true``).
 
     Positions follow the generated ids; one the server did not report (a token ending inside a
-    UTF-8 character) has no ``top``/``logprob`` and the caller fetches it separately."""
+    UTF-8 character) has no ``top``/``logprob`` and the caller fetches it separately.
+    """
     tokens = _require(body, "tokens", list)
     entries = body.get("completion_probabilities") or []
     if not isinstance(entries, list):
@@ -243,7 +248,8 @@ class StreamedCompletion:
     llama-server's last ``/v1`` one; the ``text_offset`` of OpenAI's legacy log-probs). An event
     sent twice would put its tokens in the answer twice: :class:`MalformedBody`. Tokens counted
     but never streamed (llama-server holds back a token that ends inside a UTF-8 character and
-    sends its text, not its id, with the next one) add up in each chunk's ``extra["left_out"]``."""
+    sends its text, not its id, with the next one) add up in each chunk's ``extra["left_out"]``.
+    """
 
     def __init__(self, parse: Callable[[Any], Completion]) -> None:
         self.parse = parse
@@ -281,7 +287,8 @@ class StreamedCompletion:
 def parse_native_post_sampling(body: Any) -> dict[str, float]:
     """Log-probs of the candidates llama.cpp kept after sampling, at the first generated position
     (a ``/completion`` with ``post_sampling_probs: true``; zero-probability candidates are left
-    out by the server). Each ``prob`` must lie in [0, 1]."""
+    out by the server). Each ``prob`` must lie in [0, 1].
+    """
     entries = _require(body, "completion_probabilities", list)
     if not entries or not isinstance(entries[0], Mapping):
         raise MalformedBody("no completion_probabilities entry")
@@ -305,7 +312,8 @@ def parse_openai(body: Any, with_ids: bool = False, chunk: bool = False) -> Comp
     (they carry each token's id and bytes, like the native format). ``usage.completion_tokens``,
     when sent, goes to ``extra`` (llama-server leaves out of its log-probs a token that ends inside
     a UTF-8 character: the count tells). ``chunk``: one event of a streamed completion, where the
-    last one (``finish_reason`` set, no text) may carry no ``logprobs``."""
+    last one (``finish_reason`` set, no text) may carry no ``logprobs``.
+    """
     choice = _first_choice(body)
     text = choice.get("text", "")
     if not isinstance(text, str):

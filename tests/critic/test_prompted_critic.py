@@ -33,10 +33,10 @@ from llama_index.packs.self_rag_rse import (
     ParagraphJudgement,
     PromptedCritic,
 )
+from llama_index.packs.self_rag_rse.critic.prompts import DEFAULT_RELEVANCE_PROMPT
 from llama_index.packs.self_rag_rse.llamacpp.context import DecodeStats
 from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
 from llama_index.packs.self_rag_rse.llamacpp.sequences import Request
-from llama_index.packs.self_rag_rse.self_rag.prompts import DEFAULT_RELEVANCE_PROMPT
 
 # ================================================================================================
 # The LLM path, on a scripted LlamaIndex LLM
@@ -637,7 +637,7 @@ def test_llama_cpp_uses_the_llms_own_prompt_formatter(smollm2: Any) -> None:
 
 
 def test_token_counts_that_are_no_counts_are_not_reported() -> None:
-    from llama_index.packs.self_rag_rse.self_rag.llm_backend import _usage
+    from llama_index.packs.self_rag_rse.critic.llm_backend import _usage
 
     assert _usage({"usage": {"completion_tokens": 7}}) == 7
     for bad in (-3, True, 2.5, "7", None):

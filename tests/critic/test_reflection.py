@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from llama_index.packs.self_rag_rse.self_rag.reflection import (
+from llama_index.packs.self_rag_rse.critic.reflection import (
     FULLY_SUPPORTED,
     GROUNDING_TOKENS,
     IRRELEVANT,

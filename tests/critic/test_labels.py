@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from llama_index.packs.self_rag_rse.self_rag.labels import (
+from llama_index.packs.self_rag_rse.critic.labels import (
     RELEVANCE_SCALE,
     RETRIEVAL_SCALE,
     SUPPORT_SCALE,

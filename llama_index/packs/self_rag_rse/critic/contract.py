@@ -26,7 +26,8 @@ class RetrievalDecision:
 
     ``probability`` is p(retrieve) normalised against p(no retrieve), or ``None`` when the critic
     could only read a discrete verdict. ``answer`` is filled when the critic generated the
-    no-retrieval answer in the same pass (the reflection critic does, from the same KV cache)."""
+    no-retrieval answer in the same pass (the reflection critic does, from the same KV cache).
+    """
 
     retrieve: bool
     probability: float | None = None
@@ -42,7 +43,8 @@ class ParagraphJudgement:
     answer when the critic can read log-probs. ``error`` is set, with all scores 0, when this
     paragraph failed but the others did not. ``details`` is free-form, critic-specific trace
     data for the engine's trace (the prompted critic records there how each score was obtained:
-    ``"logprobs"``, ``"parsed"`` or ``"fallback"``)."""
+    ``"logprobs"``, ``"parsed"`` or ``"fallback"``).
+    """
 
     answer: str
     relevance: float
@@ -75,7 +77,8 @@ class Continuation(ParagraphJudgement):
     out); ``context`` what the path continues from next (its context plus ``tokens``; the
     passage is not kept). ``stop`` says why generation ended: ``"boundary"`` (the model asked
     for evidence again: the path goes on), ``"eos"`` or ``"length"`` (the path is finished), or
-    ``"error"`` (then ``error`` says why)."""
+    ``"error"`` (then ``error`` says why).
+    """
 
     tokens: list[Any] = field(default_factory=list)
     context: tuple[Any, ...] = ()
@@ -89,7 +92,8 @@ class BaseCritic(PromptMixin, ABC):
     package's one sync/async bridge (``common.bridge.run_sync``), so both paths share one
     implementation. ``close`` frees what the critic holds (a llama.cpp context, a worker
     thread), never a model it was given. A critic is a ``PromptMixin``: ``get_prompts()`` lists
-    its templates (none by default) and the engine shows them under ``critic:``."""
+    its templates (none by default) and the engine shows them under ``critic:``.
+    """
 
     #: Short name shown in traces: ``"reflection"`` or ``"prompted"``.
     name: str = "critic"
@@ -113,7 +117,8 @@ class BaseCritic(PromptMixin, ABC):
 
         The pieces join to :meth:`agenerate`'s answer. This default yields that whole answer
         once; critics whose model can stream (llama.cpp in process, a served model, an LLM with
-        ``astream_complete``) override it."""
+        ``astream_complete``) override it.
+        """
         yield await self.agenerate(query)
 
     #: Whether :meth:`awrite_segments` works (long form needs a model with Self-RAG's tokens).
@@ -131,7 +136,8 @@ class BaseCritic(PromptMixin, ABC):
         generation or ``max_new_tokens``, all branches in one batch, and score each segment.
 
         ``boundary_threshold``: a generated ``[No Retrieval]`` is a boundary too where
-        p([Retrieval]) / (p([Retrieval]) + p([No Retrieval])) exceeds it (``None``: never)."""
+        p([Retrieval]) / (p([Retrieval]) + p([No Retrieval])) exceeds it (``None``: never).
+        """
         raise NotImplementedError(f"the {self.name} critic cannot write long-form answers")
 
     def decide_retrieval(
@@ -177,7 +183,8 @@ class BaseCritic(PromptMixin, ABC):
 
 def astream(critic: BaseCritic, query: str) -> AsyncIterator[str]:
     """``critic.astream_generate(query)``, or a ``TypeError`` naming the critic where that is no
-    async generator (a plain ``def`` with ``yield``, an ``async def`` that returns)."""
+    async generator (a plain ``def`` with ``yield``, an ``async def`` that returns).
+    """
     stream = critic.astream_generate(query)
     if not hasattr(stream, "__anext__"):
         getattr(stream, "close", lambda: None)()  # an un-awaited coroutine would warn

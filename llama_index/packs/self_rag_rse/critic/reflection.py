@@ -152,7 +152,8 @@ def _group(
 ) -> NDArray[np.float64] | None:
     """Probabilities of the group ``cols`` normalised among themselves, at the first position
     (with ``generated``: the first where the model generated one of them); ``None`` when there
-    is no such position or the group has no mass there."""
+    is no such position or the group has no mass there.
+    """
     rows = np.asarray(logprobs, dtype=np.float64)
     if rows.ndim == 1:
         rows = rows[None, :]

@@ -8,7 +8,7 @@ utility) as one call that a backend may do in fewer steps, so a critic never ask
 has: in-process llama.cpp
 (:class:`~llama_index.packs.self_rag_rse.llamacpp.backend.LlamaCppBackend`, one batched decode,
 exact label probabilities) and any LlamaIndex LLM
-(:class:`~llama_index.packs.self_rag_rse.self_rag.llm_backend.LLMBackend`, concurrent calls,
+(:class:`~llama_index.packs.self_rag_rse.critic.llm_backend.LLMBackend`, concurrent calls,
 log-probs when returned, tolerant reply parsing otherwise) implement it, and a served model is a
 third implementation.
 
@@ -26,7 +26,7 @@ from typing import Any
 
 from llama_index.core.prompts import BasePromptTemplate
 
-from llama_index.packs.self_rag_rse.self_rag.labels import (
+from llama_index.packs.self_rag_rse.critic.labels import (
     RELEVANCE_SCALE,
     SUPPORT_SCALE,
     UTILITY_SCALE,
@@ -43,7 +43,8 @@ class Scored:
 
     ``method`` is ``"logprobs"`` (label probabilities), ``"parsed"`` (label read from a reply)
     or ``"fallback"`` (unreadable reply, the scale's neutral score; ``note`` says why).
-    ``generated_tokens`` counts the tokens the model produced for it, when known."""
+    ``generated_tokens`` counts the tokens the model produced for it, when known.
+    """
 
     score: float
     method: str
@@ -54,7 +55,8 @@ class Scored:
 @dataclass
 class Generated:
     """One generated answer; ``seq_score`` is exp(mean token log-prob) when log-probs exist;
-    ``passage_cut``: the paragraph's tokens left out to fit the context."""
+    ``passage_cut``: the paragraph's tokens left out to fit the context.
+    """
 
     text: str
     seq_score: float | None = None
@@ -66,7 +68,8 @@ class Generated:
 class JudgementPrompts:
     """The templates of a paragraph judgement: the answer from the paragraph, then whether the
     paragraph is relevant (Yes/No), supports the answer (Yes/Partly/No) and how useful the
-    answer is (1-5)."""
+    answer is (1-5).
+    """
 
     answer: BasePromptTemplate
     relevance: BasePromptTemplate
@@ -78,7 +81,8 @@ class JudgementPrompts:
 class ParagraphResult:
     """What a judgement found for one paragraph: the answer and the ``relevance``, ``support``
     and ``utility`` scores (support and utility are missing when there was no answer); a part
-    that failed is the exception."""
+    that failed is the exception.
+    """
 
     answer: Generated | Exception
     scores: dict[str, Scored | Exception] = field(default_factory=dict)
@@ -99,7 +103,8 @@ class FirstRound:
     """A judgement after its first round (answers and relevance), and what the second asks.
 
     ``answered`` lists ``(index, answer text)`` of the paragraphs that got an answer: only they
-    are asked about support and utility."""
+    are asked about support and utility.
+    """
 
     results: list[ParagraphResult]
     answered: list[tuple[int, str]]
@@ -164,7 +169,8 @@ class CriticBackend(ABC):
         """Answers from ``answer_template`` and labels from ``label_template``, same values.
 
         Backends that can share work between the two (llama.cpp evaluates each paragraph once
-        for both) override this; the default runs both together."""
+        for both) override this; the default runs both together.
+        """
         answers, labels = await asyncio.gather(
             self.generate(answer_template, values), self.score(scale, label_template, values)
         )
@@ -183,7 +189,8 @@ class CriticBackend(ABC):
         paragraph's relevance, then the support and utility of every answer. Results are in
         input order. Backends that can carry work from one round to the next (llama.cpp reads
         each paragraph once for all four questions) override this; the default asks
-        :meth:`generate_and_score` and :meth:`score`."""
+        :meth:`generate_and_score` and :meth:`score`.
+        """
         if not paragraphs:
             return []
         values = [prompt_values(query, text) for text in paragraphs]
@@ -209,7 +216,8 @@ class CriticBackend(ABC):
         """One answer to ``template.format(**values)``, piece by piece as the model writes it.
 
         The default yields :meth:`generate`'s whole answer once; backends whose model streams
-        override it."""
+        override it.
+        """
         (result,) = await self.generate(template, [values])
         if isinstance(result, Exception):
             raise result

@@ -24,8 +24,8 @@ from llama_index.core.llms import LLM
 from llama_index.core.prompts import BasePromptTemplate
 
 from llama_index.packs.self_rag_rse.common.options import require_counts
-from llama_index.packs.self_rag_rse.self_rag.backend import CriticBackend, Generated, Scored, Values
-from llama_index.packs.self_rag_rse.self_rag.labels import (
+from llama_index.packs.self_rag_rse.critic.backend import CriticBackend, Generated, Scored, Values
+from llama_index.packs.self_rag_rse.critic.labels import (
     InvalidLogprob,
     LabelScale,
     Reading,
@@ -88,7 +88,8 @@ class LLMBackend(CriticBackend):
 
     def _prompt(self, template: BasePromptTemplate, values: Values) -> list[ChatMessage] | str:
         """A chat model's messages (with the LLM's system prompt), or a completion model's text
-        (after the system prompt)."""
+        (after the system prompt).
+        """
         system = self.llm.system_prompt
         if self.llm.metadata.is_chat_model:
             return with_system(template.format_messages(**dict(values)), system)
@@ -109,7 +110,8 @@ class LLMBackend(CriticBackend):
 
     async def astream(self, template: BasePromptTemplate, values: Values) -> AsyncIterator[str]:
         """One answer through the LLM's ``astream_chat``/``astream_complete``; an LLM that does
-        not stream (``NotImplementedError``) answers in one piece."""
+        not stream (``NotImplementedError``) answers in one piece.
+        """
         prompt = self._prompt(template, values)
         stream: AsyncIterator[Any] | None = None
         first: Any = None

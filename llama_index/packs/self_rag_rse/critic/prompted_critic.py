@@ -31,7 +31,7 @@ from llama_index.core.llms import LLM
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.prompts.mixin import PromptDictType
 
-from llama_index.packs.self_rag_rse.self_rag.backend import (
+from llama_index.packs.self_rag_rse.critic.backend import (
     CriticBackend,
     Generated,
     JudgementPrompts,
@@ -39,14 +39,14 @@ from llama_index.packs.self_rag_rse.self_rag.backend import (
     Scored,
     prompt_values,
 )
-from llama_index.packs.self_rag_rse.self_rag.contract import (
+from llama_index.packs.self_rag_rse.critic.contract import (
     BaseCritic,
     ParagraphJudgement,
     RetrievalDecision,
 )
-from llama_index.packs.self_rag_rse.self_rag.labels import RETRIEVAL_SCALE
-from llama_index.packs.self_rag_rse.self_rag.llm_backend import LLMBackend
-from llama_index.packs.self_rag_rse.self_rag.prompts import DEFAULT_PROMPTS, as_template
+from llama_index.packs.self_rag_rse.critic.labels import RETRIEVAL_SCALE
+from llama_index.packs.self_rag_rse.critic.llm_backend import LLMBackend
+from llama_index.packs.self_rag_rse.critic.prompts import DEFAULT_PROMPTS, as_template
 
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)

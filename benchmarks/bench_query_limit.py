@@ -47,18 +47,31 @@ every raw cost at its fastest sample (:func:`best_per_call`).
 Run: ``.venv/bin/python benchmarks/bench_query_limit.py`` (about two minutes here);
 ``--critic reflection`` uses SmolLM2 with the Self-RAG tokens appended (as bench_critic.py),
 ``--model-path`` another GGUF, ``--threads`` sets the ``Llama``'s thread counts.
+
+``--handlers`` prices tracing: beside each timed question the same question runs again with a
+span handler and an event handler attached to LlamaIndex's root dispatcher (core's
+``SimpleSpanHandler``, and a handler that keeps every event), before it on even repeats and after
+it on odd ones, and the table gets a row for it; ``handler_ratio`` (JSON) is the median over the
+repeats of traced / untraced. The untraced questions are the ones above: no handler listens, so
+the package builds no span, event or model-call text for them (docs/tracing.md). On a shared
+machine a question's time moves by more than tracing costs, so the seconds spent inside the
+package's tracing code are also counted (:class:`TracingClock`) and printed for both:
+``tracing_ms`` and ``tracing_ms_unheard`` (medians per question).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -410,6 +423,11 @@ def main() -> None:
     parser.add_argument(
         "--storage", type=Path, help="Qdrant folder kept between runs (default: a temporary one)"
     )
+    parser.add_argument(
+        "--handlers",
+        action="store_true",
+        help="also time each question with a span and an event handler attached (tracing's cost)",
+    )
     args = parser.parse_args()
 
     from llama_index.packs.self_rag_rse import RelevantSegmentPostprocessor, SelfRAGQueryEngine
@@ -480,9 +498,17 @@ def main() -> None:
         # Raw samples and queries alternate, so both see the same load on a shared machine.
         runs: list[dict[str, Any]] = []
         samples: list[Costs] = []
-        for _ in range(args.repeats):
+        #: Each question asked again with handlers attached (--handlers): its seconds, and the
+        #: seconds spent in the package's tracing code, as the clock counts them for all.
+        traced: list[tuple[float, float]] = []
+        clock = TracingClock() if args.handlers else None
+        for repeat in range(args.repeats):
             samples.append(probe.sample())
+            if clock is not None and repeat % 2 == 0:
+                traced.append(traced_query(engine, args.question, clock))
             stages.reset()
+            if clock is not None:
+                clock.seconds = 0.0
             start = time.perf_counter()
             response = engine.query(args.question)
             total = time.perf_counter() - start
@@ -497,8 +523,11 @@ def main() -> None:
                     "decoded_tokens": stages.decoded_tokens,
                     "decodes": list(stages.decodes),
                     "limit": samples[-1].limit(positions, steps),
+                    "tracing": clock.seconds if clock is not None else 0.0,
                 }
             )
+            if clock is not None and repeat % 2 == 1:
+                traced.append(traced_query(engine, args.question, clock))
         samples.append(probe.sample())
         probe.close()
         judged = response.metadata["self_rag"]["paragraphs"]
@@ -536,6 +565,24 @@ def main() -> None:
         print(f"  {key:<26s}{min(values):8.2f} {statistics.median(values):8.2f} s")
     other = [r["total"] - r.get("retrieve", 0) - r.get("rse", 0) - r.get("judge", 0) for r in runs]
     print(f"  {'engine, other':<26s}{min(other):8.2f} {statistics.median(other):8.2f} s")
+    handler_ratio = None
+    tracing_ms: dict[str, float] = {}
+    if traced:
+        seconds = [t for t, _ in traced]
+        pairs = zip(seconds, runs, strict=True)
+        handler_ratio = statistics.median(t / r["total"] for t, r in pairs)
+        print(
+            f"  {'total, handlers attached':<26s}{min(seconds):8.2f} "
+            f"{statistics.median(seconds):8.2f} s (median of ratios to none: {handler_ratio:.3f})"
+        )
+        tracing_ms = {
+            "tracing_ms": statistics.median(c for _, c in traced) * 1e3,
+            "tracing_ms_unheard": statistics.median(r["tracing"] for r in runs) * 1e3,
+        }
+        print(
+            f"  in the package's tracing code: {tracing_ms['tracing_ms']:.1f} ms per question "
+            f"with handlers attached, {tracing_ms['tracing_ms_unheard']:.2f} ms with none"
+        )
     print(
         f"\nllama.cpp work of the fastest: {best['decode_calls']} decode calls, "
         f"{best['decoded_tokens']} tokens evaluated (prompts and fed-back answers)"
@@ -560,9 +607,91 @@ def main() -> None:
                 "per_call_ratio": None if per_call is None else round(per_call / limit, 3),
                 "prefill_tokens": len(positions),
                 "generated_tokens": generated,
+                "handler_ratio": None if handler_ratio is None else round(handler_ratio, 3),
+                **{key: round(value, 2) for key, value in tracing_ms.items()},
             }
         )
     )
+
+
+def traced_query(engine: Any, question: str, clock: TracingClock) -> tuple[float, float]:
+    """Seconds of ``engine.query(question)`` with handlers attached (:func:`handlers_attached`),
+    and the seconds of it spent in the package's tracing code.
+    """
+    clock.seconds = 0.0
+    with handlers_attached():
+        start = time.perf_counter()
+        engine.query(question)
+        return time.perf_counter() - start, clock.seconds
+
+
+class TracingClock:
+    """Seconds spent inside the package's tracing code, every thread together: the entry
+    points of ``common/tracing.py`` (whether a handler listens, events, spans opened and closed,
+    model calls reported), one called from another counted once; the handlers' own work on
+    what they are sent included. Unlike a question's time, this barely moves with the load of a
+    shared machine.
+    """
+
+    def __init__(self) -> None:
+        from llama_index.packs.self_rag_rse.common import tracing
+
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+        self._depth = threading.local()
+        entry_points = [
+            (tracing, "observed"),
+            (tracing, "emit"),
+            (tracing, "open_span"),
+            (tracing.Span, "close"),
+            (tracing.ModelCalls, "__init__"),
+            (tracing.ModelCalls, "end"),
+        ]
+        for owner, name in entry_points:
+            setattr(owner, name, self._timed(getattr(owner, name)))
+
+    def _timed(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(func)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if getattr(self._depth, "inside", False):
+                return func(*args, **kwargs)
+            self._depth.inside = True
+            start = time.perf_counter()
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self._depth.inside = False
+                with self._lock:
+                    self.seconds += time.perf_counter() - start
+
+        return timed
+
+
+@contextmanager
+def handlers_attached() -> Iterator[None]:
+    """Core's ``SimpleSpanHandler`` and a handler that keeps every event, on the root
+    dispatcher for the block: what a tracing tool costs the query, at the least.
+    """
+    from llama_index.core.instrumentation import get_dispatcher
+    from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+    from llama_index.core.instrumentation.span_handlers import SimpleSpanHandler
+
+    kept: list[Any] = []
+
+    class Keeper(BaseEventHandler):
+        def handle(self, event: Any, **kwargs: Any) -> None:
+            kept.append(event)
+
+    spans = SimpleSpanHandler()
+    events = Keeper()
+    root = get_dispatcher()
+    root.add_span_handler(spans)
+    root.add_event_handler(events)
+    try:
+        yield
+    finally:
+        root.span_handlers.remove(spans)
+        root.event_handlers.remove(events)
 
 
 def best_per_call(runs: Sequence[dict[str, Any]]) -> float | None:

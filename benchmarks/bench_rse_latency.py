@@ -7,13 +7,15 @@ the top-k for random query vectors and times the postprocessing alone. Three ing
 one filtered call, which Qdrant local mode answers by scanning every point) and neither (the hit
 documents are read back to learn the order); then ``docstore``: stable ids with the chunks read
 from an in-memory docstore, the postprocessor's own cost with no store in the way. Each style
-runs without a budget and with ``max_context_chars=--budget`` (6,000 by default). Wall-clock
+runs without a budget and with ``max_context_chars=--budget`` (6,000 by default; with
+``--tokens``, ``max_context_tokens=--budget`` counted by the default tokenizer). Wall-clock
 percentiles, then the 99th percentile of process CPU time (what the call costs on an idle core,
 whatever else runs on the machine); the garbage collector is paused during each timed call,
 as ``timeit`` does. Last, the peak memory of one call (tracemalloc) at the
-budget and at the largest budget accepted (10,000,000 characters).
+budget and at the largest budget accepted (10,000,000 characters, or 2,500,000 tokens).
 
 Run: python benchmarks/bench_rse_latency.py [--chunks 10000 --queries 200 --budget 6000]
+[--budget 1500 --tokens]
 """
 
 from __future__ import annotations
@@ -72,6 +74,11 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=200)
     parser.add_argument("--top-k", type=int, default=30)
     parser.add_argument("--budget", type=int, default=6000, help="max_context_chars")
+    parser.add_argument(
+        "--tokens",
+        action="store_true",
+        help="the budget is max_context_tokens (the default tokenizer: a token per 4 characters)",
+    )
     parser.add_argument("--dim", type=int, default=384)
     args = parser.parse_args()
 
@@ -79,7 +86,10 @@ def main() -> None:
     from llama_index.core.vector_stores.types import VectorStoreQuery
 
     from llama_index.packs.self_rag_rse import RelevantSegmentPostprocessor
-    from llama_index.packs.self_rag_rse.rse.budget import MAX_BUDGET
+    from llama_index.packs.self_rag_rse.rse.values import CHARS_PER_TOKEN, MAX_BUDGET
+
+    unit = "max_context_tokens" if args.tokens else "max_context_chars"
+    largest_budget = MAX_BUDGET // CHARS_PER_TOKEN if args.tokens else MAX_BUDGET
 
     print(
         f"Qdrant local mode (in memory), {args.chunks:,} chunks in {args.documents} documents, "
@@ -101,7 +111,7 @@ def main() -> None:
         if style == "docstore":
             stores = {"docstore": SimpleDocumentStore()}
             stores["docstore"].add_documents(nodes)
-        rse = RelevantSegmentPostprocessor(**stores, max_context_chars=budget)
+        rse = RelevantSegmentPostprocessor(**stores, **{unit: budget})
         rse.extract([])  # imports and first-call set-up out of the timings
         rng = np.random.default_rng(1)
         times, cpu, calls, segments = [], [], [], []
@@ -130,18 +140,19 @@ def main() -> None:
         p90, p99 = (float(np.percentile(times, q)) for q in (90, 99))
         reading = [t for t, c in zip(times, calls, strict=True) if c]
         when = f"{statistics.mean(reading):17.1f}" if reading else f"{'-':>17}"
-        shown = f"{budget:,}" if budget else "-"
+        shown = f"{budget:,}{'t' if args.tokens else ''}" if budget else "-"
         print(
             f"{style:<22}{shown:>7}{statistics.median(times):9.2f}{p90:9.2f}{p99:9.2f}"
             f"{float(np.percentile(cpu, 99)):9.2f}"
             f"{statistics.mean(calls):19.2f}{statistics.mean(segments):10.1f}{when}"
         )
         if style == "docstore" and budget:
-            largest = RelevantSegmentPostprocessor(**stores, max_context_chars=MAX_BUDGET)
+            largest = RelevantSegmentPostprocessor(**stores, **{unit: largest_budget})
             print(
                 f"\npeak memory of one call (docstore, tracemalloc, {len(queries[:20])} queries): "
                 f"{peak_memory(rse, queries[:20]) / 1e6:.2f} MB at budget {budget:,}, "
-                f"{peak_memory(largest, queries[:20]) / 1e6:.2f} MB at {MAX_BUDGET:,}"
+                f"{peak_memory(largest, queries[:20]) / 1e6:.2f} MB at {largest_budget:,}"
+                f"{' tokens' if args.tokens else ''}"
             )
 
 

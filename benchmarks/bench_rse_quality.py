@@ -15,7 +15,8 @@ whole chunks" is top-k as a prompt packer takes it: best first, a chunk only if 
 
 Indexes, each timed (and its LLM calls counted):
 
-- *plain*: SentenceSplitter (128 tokens, overlap 16) + ChunkIndexer, as before;
+- *plain*: SentenceSplitter (128 tokens, overlap 16) + ChunkIndexer given the documents (so
+  every chunk's offsets are checked against its document), as docs/rse.md builds it;
 - *headers*: DocumentSectioner (headings strategy: sections from the documents' own headings,
   chunked by the same splitter inside each section) + ChunkIndexer + ContextualHeaders (title
   from the document's title heading, else its file name; the section's path of headings),
@@ -43,10 +44,12 @@ name, ``+best`` or ``+topN`` for ``keep_top_hits``, ``+minX`` for ``minimum_valu
 for ``irrelevant_chunk_penalty``, ``+decayX`` for ``decay_rate``), e.g.
 ``--variants rank zscore spread+best default+best+min0 default+best+decay15``.
 
-The figures are the same on every run of the same inputs: chunk ids are stable
-(``ChunkIndexer(stable_ids=True)``), so Qdrant returns hits of equal score in the same order,
-and the embedder runs on a fixed number of torch threads (``--threads``, 1 by default), so its
-sums run in the same order on every machine.
+The figures are the same on every run of the same inputs, wherever the documents lie: each
+document is known by an id made of its text (not its path), chunk ids are stable
+(``ChunkIndexer(stable_ids=True)``) and documents are ingested in the order of those ids, so
+Qdrant returns hits of equal score in the same order; and the embedder runs on a fixed number
+of torch threads (``--threads``, 1 by default), so its sums run in the same order on every
+machine.
 
 ``--llm-sections`` adds an index whose sections come from an LLM (the bundled SmolLM2-135M
 through LlamaCPP, or ``--llm-model PATH``), results cached under ``--cache-dir`` so a second run
@@ -64,6 +67,7 @@ Run: python benchmarks/bench_rse_quality.py [--docs DIR [--qa FILE.jsonl]] [--bu
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -107,6 +111,21 @@ class Query:
     @property
     def gold(self) -> list[tuple[str, int, int]]:
         return merge_spans([(self.doc, self.start, self.end)] + [(self.doc, *s) for s in self.more])
+
+
+def content_ids(texts: dict[str, str]) -> dict[str, str]:
+    """An id for each document (``texts``: path -> text) made of its text, not its path.
+
+    Qdrant returns hits of equal score in the order of their point ids, which stable chunk ids
+    derive from the document id; ids from paths made the figures move (by up to 0.002) with the
+    folder the documents lie in. Documents with the same text are numbered in path order.
+    """
+    ids: dict[str, str] = {}
+    for key, text in texts.items():
+        digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        copies = sum(other.startswith(digest) for other in ids.values())
+        ids[key] = f"{digest}-{copies}"
+    return ids
 
 
 def find_copies(queries: list[Query], texts: dict[str, str]) -> int:
@@ -593,6 +612,13 @@ def main() -> None:
     lengths = {k: len(v) for k, v in texts.items()}
     qa_path = args.qa or (SHIPPED_QA if args.docs is None else None)
     questions = load_questions(qa_path, texts) if qa_path else []
+    # From here on a document is known by an id made of its text (content_ids), so the same
+    # corpus gives the same figures wherever it lies and whatever its files are called.
+    ids = content_ids(texts)
+    names = {doc_id: key for key, doc_id in ids.items()}
+    texts = {ids[key]: texts[key] for key in sorted(texts, key=ids.__getitem__)}
+    for question in questions:
+        question.doc = ids[question.doc]
     headings = [] if args.no_headings else heading_queries(texts, args.min_section)
     find_copies(questions + headings, texts)
     if not questions and not headings:
@@ -619,21 +645,22 @@ def main() -> None:
         ]
 
     plain_docs = [Document(text=t, id_=k) for k, t in texts.items()]
+    # The plain index as docs/rse.md builds it: ChunkIndexer given the documents checks every
+    # chunk's offsets against them.
+    plain_steps = [splitter(), ChunkIndexer(stable_ids=True, documents=plain_docs)]
     # The file name is for titles only: kept out of the text the splitter sizes and embeds, as
     # SimpleDirectoryReader does.
     named_docs = [
         Document(
             text=t,
             id_=k,
-            metadata={"file_name": k},
+            metadata={"file_name": names[k]},
             excluded_embed_metadata_keys=["file_name"],
             excluded_llm_metadata_keys=["file_name"],
         )
         for k, t in texts.items()
     ]
-    plain = index_of(
-        "plain", plain_docs, [splitter(), ChunkIndexer(stable_ids=True)], embed, args.top_k
-    )
+    plain = index_of("plain", plain_docs, plain_steps, embed, args.top_k)
     indexes = [plain]
     # Questions judge the full headers; heading queries judge headers without section titles,
     # which would repeat the query.

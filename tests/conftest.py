@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from models import load_llama, reference_greedy, reference_logprobs
 from servers import ServerProcess, free_port
 
 # Everything the tests load ships in packages: never reach for a model hub.
@@ -17,30 +18,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # ------------------------------------------------------------------------------------------------
 # Tiny Self-RAG GGUFs on llama.cpp (reflection critic and batched decoder tests).
 #
-# The models are written once per session by tests/tiny_gguf.py (~1 MB each, milliseconds).
-# Every Llama here keeps its KV cache in F32 (type_k = type_v = 0): with llama.cpp's default F16
-# cache, batches of different shapes round K/V differently and log-probs drift by ~3e-4, which
-# would blur the "exact scores" checks (the decoder inherits the cache type from the Llama).
+# The models are written once per session by tests/tiny_gguf.py (~1 MB each, milliseconds) and
+# opened with tests/models.py's loader (an F32 KV cache, one thread: see there).
 # ------------------------------------------------------------------------------------------------
-
-GGML_TYPE_F32 = 0
-
-
-def _llama(path: Path, **kwargs: Any) -> Any:
-    import llama_cpp
-
-    options: dict[str, Any] = {
-        "n_ctx": 1024,
-        # One thread: the tiny model gains nothing from two, and llama.cpp's spinning thread
-        # barriers slow down 20x when other processes compete for the cores.
-        "n_threads": 1,
-        "n_threads_batch": 1,
-        "type_k": GGML_TYPE_F32,
-        "type_v": GGML_TYPE_F32,
-        "verbose": False,
-    }
-    options.update(kwargs)
-    return llama_cpp.Llama(str(path), **options)
 
 
 @pytest.fixture(scope="session")
@@ -110,7 +90,7 @@ def long_form_llm(long_form_ggufs: dict[str, Path]) -> Iterator[Any]:
 
 def _held(path: Path) -> Iterator[Any]:
     """A session fixture's body: the model, closed when the session ends."""
-    llm = _llama(path)
+    llm = load_llama(path)
     yield llm
     llm.close()
 
@@ -118,52 +98,20 @@ def _held(path: Path) -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def reference_llm(tiny_gguf_paths: dict[str, Path]) -> Iterator[Any]:
     """The USER_DEFINED model with logits_all=True: the oracle for full-vocabulary log-probs."""
-    llm = _llama(tiny_gguf_paths["user_defined"], logits_all=True)
+    llm = load_llama(tiny_gguf_paths["user_defined"], logits_all=True)
     yield llm
     llm.close()
 
 
-def reference_logprobs(ref_llm: Any, context: list[int], generated: list[int]) -> Any:
-    """Full-vocabulary log-softmax at each generated position, by a ``logits_all`` Llama.
-
-    Row ``i`` is the distribution of ``generated[i]`` given ``context + generated[:i]``, computed
-    with numpy from ``Llama.scores`` (the raw logits) in float64.
-    """
-    import numpy as np
-
-    ref_llm.reset()
-    ref_llm.eval(context + generated[:-1])
-    start = len(context) - 1
-    rows = np.asarray(ref_llm.scores[start : start + len(generated)], dtype=np.float64)
-    top = rows.max(axis=1, keepdims=True)
-    return rows - (top + np.log(np.exp(rows - top).sum(axis=1, keepdims=True)))
-
-
-def reference_greedy(ref_llm: Any, context: list[int], max_new_tokens: int) -> list[int]:
-    """Plain greedy decoding, one token at a time, stopping after EOS (which is kept)."""
-    import numpy as np
-
-    ref_llm.reset()
-    ref_llm.eval(context)
-    generated: list[int] = []
-    while len(generated) < max_new_tokens:
-        token = int(np.argmax(ref_llm.scores[ref_llm.n_tokens - 1]))
-        generated.append(token)
-        if token == ref_llm.token_eos():
-            break
-        ref_llm.eval([token])
-    return generated
-
-
 @pytest.fixture(scope="session")
 def reference() -> Any:
-    """:func:`reference_logprobs` as a fixture, for test modules that cannot import conftest."""
+    """:func:`~models.reference_logprobs` as a fixture."""
     return reference_logprobs
 
 
 @pytest.fixture(scope="session")
 def greedy() -> Any:
-    """:func:`reference_greedy` as a fixture."""
+    """:func:`~models.reference_greedy` as a fixture."""
     return reference_greedy
 
 

@@ -1,15 +1,20 @@
-"""Doubles whose replies follow a script, shared by the test packages: an LLM and a critic base.
+"""Doubles whose replies follow a script, shared by the test packages: an LLM and two critics.
 
 ``ScriptedLLM(reply)`` answers every completion with ``reply(prompt)``: a string, a
 ``CompletionResponse`` (to carry log-probs), or an exception, which is raised to fail that call.
 It records every prompt, sleeps ``delay`` seconds per call (so concurrent calls overlap) and
 counts the most calls in flight at once (``max_active``). Completions emit LlamaIndex's LLM
 events like a real LLM's; ``chat_model=True`` makes it report itself as a chat model.
+
+``BlockingCritic`` is a base for test critics written with blocking methods; ``TableCritic``
+judges paragraphs, writes text and long-form segments from tables (the flows' branches on
+demand).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -21,6 +26,7 @@ from llama_index.core.llms import CompletionResponse, CustomLLM, LLMMetadata
 from llama_index.core.llms.callbacks import llm_completion_callback
 
 from llama_index.packs.self_rag_rse import BaseCritic, ParagraphJudgement, RetrievalDecision
+from llama_index.packs.self_rag_rse.critic.contract import Continuation
 
 
 class ScriptedLLM(CustomLLM):
@@ -96,3 +102,89 @@ class BlockingCritic(BaseCritic):
 
     async def agenerate(self, query: str) -> str:
         return self.generate(query)
+
+
+#: What :class:`TableCritic` writes when asked for text it has no script for.
+ALONE = "model-only answer"
+
+
+class TableCritic(BaseCritic):
+    """A critic that judges from tables, for flows no real model can be made to take on demand.
+
+    ``table`` maps a paragraph (the text the critic reads) to its ``(relevance, support,
+    utility)``; the answer from it is ``answers[paragraph]``, else ``"answer from <paragraph>"``.
+    ``per_query`` holds other tables for given questions (the corrective loop's grounded
+    prompt, say). ``texts`` maps a
+    prompt to what :meth:`agenerate` writes for it (a query2doc passage, a rewrite); any other
+    prompt gets :data:`ALONE`. ``gate`` is p(retrieve). ``segments`` maps ``(paragraph, depth)``
+    to the long-form segment written from it at that depth (a path's context is the question
+    and then the paragraphs it was continued from; depth 1 is the first segment). Every call is
+    recorded: ``judged`` (question, paragraphs), ``generated`` (prompts), ``branches``.
+    """
+
+    name = "scripted"
+    writes_segments = True
+
+    def __init__(
+        self,
+        table: dict[str, tuple[float, float, float]],
+        *,
+        per_query: dict[str, dict[str, tuple[float, float, float]]] | None = None,
+        texts: dict[str, str] | None = None,
+        gate: float = 0.9,
+        segments: dict[tuple[str, int], Continuation] | None = None,
+        answers: dict[str, str] | None = None,
+    ) -> None:
+        self.table = table
+        self.answers = answers or {}
+        self.per_query = per_query or {}
+        self.texts = texts or {}
+        self.gate = gate
+        self.segments = segments or {}
+        self.judged: list[tuple[str, list[str]]] = []
+        self.generated: list[str] = []
+        self.branches: list[list[tuple[tuple[Any, ...], str]]] = []
+
+    async def adecide_retrieval(
+        self, query: str, threshold: float | None, answer_if_skipped: bool = True
+    ) -> RetrievalDecision:
+        bar = 0.5 if threshold is None else threshold
+        retrieve = self.gate > bar
+        answer = None
+        if not retrieve and answer_if_skipped:
+            answer = await self.agenerate(query)
+        return RetrievalDecision(retrieve=retrieve, probability=self.gate, answer=answer)
+
+    async def ajudge(self, query: str, paragraphs: Sequence[str]) -> list[ParagraphJudgement]:
+        self.judged.append((query, list(paragraphs)))
+        table = self.per_query.get(query, self.table)
+        judgements = []
+        for paragraph in paragraphs:
+            relevance, support, utility = table[paragraph]
+            judgement = ParagraphJudgement(
+                answer=self.answers.get(paragraph, f"answer from {paragraph}"),
+                relevance=relevance,
+                support=support,
+                utility=utility,
+            )
+            judgements.append(judgement)
+        return judgements
+
+    async def agenerate(self, query: str) -> str:
+        self.generated.append(query)
+        return self.texts.get(query, ALONE)
+
+    async def astart_path(self, query: str) -> tuple[Any, ...]:
+        return (query,)
+
+    async def awrite_segments(
+        self, branches: Sequence[tuple[tuple[Any, ...], str]], boundary_threshold: float | None
+    ) -> list[Continuation]:
+        self.branches.append(list(branches))
+        written = []
+        for context, paragraph in branches:
+            depth = len(context)
+            script = self.segments[(paragraph, depth)]
+            segment = dataclasses.replace(script, context=(*context, paragraph))
+            written.append(segment)
+        return written

@@ -247,6 +247,33 @@ def test_a_non_empty_folder_is_never_silently_overwritten(tmp_path):
     assert not stale.exists() and (fresh / "notes.txt").read_text() == "kept"
 
 
+def test_overwrite_never_writes_through_a_hard_link(tmp_path, capsys, restore_imports):
+    """A ``cp -al`` backup shares every file of the folder: --overwrite rewrote the pack's files
+    in place, so the backup, outside the folder, changed with them.
+    """
+    dest = tmp_path / "pack"
+    assert copy_pack(find_source(), dest) is True
+    (dest / "README.md").write_text("my notes")
+    (dest / PACKAGE_PATH / "pack.py").write_text("# my edit")
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    for path in sorted(dest.rglob("*")):
+        copied = backup / path.relative_to(dest)
+        if path.is_dir():
+            copied.mkdir(parents=True)
+        else:
+            os.link(path, copied)  # what ``cp -al pack backup`` does
+    before = _tree(backup)
+    argv = ["download-llamapack", "ChunkIndexer", "-d", str(dest), "--no-install", "--overwrite"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert _tree(backup) == before
+    assert (dest / "README.md").read_bytes() == (REPO / "README.md").read_bytes()
+    assert (dest / PACKAGE_PATH / "pack.py").read_bytes() == (
+        INSTALLED_PACKAGE / "pack.py"
+    ).read_bytes()
+    assert not [path.name for path in dest.rglob("*.partial")]
+
+
 def test_overwrite_with_use_existing_is_an_error_and_writes_nothing(tmp_path, capsys):
     """The two flags contradict each other: --use-existing won and --overwrite was ignored."""
     fresh = tmp_path / "pack"

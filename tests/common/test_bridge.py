@@ -6,6 +6,7 @@ import asyncio
 import contextvars
 import signal
 import threading
+import time
 
 import pytest
 
@@ -14,6 +15,7 @@ from llama_index.packs.self_rag_rse.common.bridge import (
     adrive,
     drive,
     iterate_sync,
+    run_blocking,
     run_sync,
 )
 from llama_index.packs.self_rag_rse.common.notes import collect_notes, record_note
@@ -150,3 +152,36 @@ def test_a_sync_stream_closed_on_the_loops_own_thread_closes_its_async_stream():
 
     run_sync(close_here())
     assert closed.wait(5)
+
+
+def blocking_threads() -> int:
+    return sum(t.name.startswith("self-rag-rse-blocking") for t in threading.enumerate())
+
+
+def test_blocking_threads_made_for_a_burst_exit_once_it_is_over():
+    # A long-running app: a burst of 60 blocking retrievals at once needs 60 threads (no cap:
+    # one that queries another engine must never wait for a place), but they used to stay for
+    # the life of the process.
+    burst = 60
+    together = threading.Barrier(burst, timeout=30)  # every call in flight at once
+
+    def retrieval(i: int) -> int:
+        together.wait()
+        return i
+
+    async def main() -> list[int]:
+        return await asyncio.gather(*(run_blocking(retrieval, i) for i in range(burst)))
+
+    assert asyncio.run(main()) == list(range(burst))
+    deadline = time.monotonic() + 10
+    while blocking_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert blocking_threads() == 0
+    # Later calls get threads again, and a failure still reaches its caller.
+    assert asyncio.run(main()) == list(range(burst))
+
+    async def failing() -> None:
+        await run_blocking(int, "not a number")
+
+    with pytest.raises(ValueError, match="not a number"):
+        asyncio.run(failing())

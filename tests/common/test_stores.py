@@ -34,9 +34,10 @@ def test_the_vector_store_of_an_index_retriever_is_found() -> None:
 
     store = QdrantVectorStore(client=QdrantClient(location=":memory:"), collection_name="c")
     index = VectorStoreIndex(
-        [], storage_context=StorageContext.from_defaults(vector_store=store),
+        [],
+        storage_context=StorageContext.from_defaults(vector_store=store),
         embed_model=MockEmbedding(embed_dim=4),
-    )  # fmt: skip
+    )
     assert vector_store_of(index.as_retriever()) is store
 
 

@@ -25,6 +25,15 @@ async def test_a_folder_cache_survives_a_restart(tmp_path: Any) -> None:
 def test_keys_and_coercion() -> None:
     assert ContextCache.key("a", "b") == ContextCache.key("a", "b")
     assert ContextCache.key("a", "b") != ContextCache.key("ab", "")
+    # Pinned: a change to the key scheme would orphan every entry users have cached. Only a
+    # change that means to start every cache afresh may update these digests.
+    assert ContextCache.key("a", "b") == (
+        "8fb20ef63ced4145fc2e983ffe597d1dcff39154c3bf21f0fa9dde6a0c50fdc9"
+    )
+    # Settings are JSON with sorted keys, texts UTF-8: the order a dict was built in is no change.
+    assert ContextCache.key("sections", {"window": 4000, "model": "m"}, "text\u00e9") == (
+        "3d1eceee927dfd6e08c3bd4e0dfe899027d2ea0152f0ef0b60efe0666f91f8ac"
+    )
     store = SimpleKVStore()
     assert ContextCache.coerce(store).store is store
     with pytest.raises(TypeError, match="cache must be"):

@@ -192,3 +192,33 @@ def test_a_chatty_answer_gives_its_title_or_summary(answer: str, kept: str) -> N
     from llama_index.packs.self_rag_rse.context.headers import _first_line
 
     assert _first_line(answer, 200) == kept
+
+
+def test_from_dict_of_to_dict_is_the_same_transformation(markdown: str, tmp_path: Any) -> None:
+    """A transformation in a saved pipeline is rebuilt from its dict: the prompts came back as
+    dicts of an abstract class and ContextualHeaders.from_dict failed.
+    """
+    from llama_index.core.prompts import PromptTemplate
+
+    headers = ContextualHeaders(
+        title_prompt=PromptTemplate("Title this: {text}"), include_section=False, cache=tmp_path
+    )
+    for rebuilt in (
+        ContextualHeaders.from_dict(headers.to_dict()),
+        ContextualHeaders.from_json(headers.to_json()),
+    ):
+        assert rebuilt.to_dict() == headers.to_dict()
+        assert rebuilt.title_prompt.format(text="x") == "Title this: x"
+        assert rebuilt.cache.persist_path == headers.cache.persist_path
+        chunks = _chunks(markdown)
+        assert [n.metadata[HEADER_KEY] for n in rebuilt(chunks)] == [
+            n.metadata[HEADER_KEY] for n in headers(_chunks(markdown))
+        ]
+
+
+def test_from_dict_asks_for_the_llm_it_cannot_rebuild(scripted: Any) -> None:
+    llm = scripted(lambda prompt: "Herons")
+    data = ContextualHeaders(llm=llm).to_dict()
+    with pytest.raises(ValueError, match=r"from_dict\(data, llm=\.\.\.\)"):
+        ContextualHeaders.from_dict(data)
+    assert ContextualHeaders.from_dict(data, llm=llm).llm is llm

@@ -276,6 +276,71 @@ def test_repeated_text_gets_the_offsets_of_its_own_copy():
     assert all(c or ch.isspace() for ch, c in zip(text, covered, strict=True))
 
 
+def test_chunks_placed_in_their_section_are_marked_checked_for_rse():
+    # SentenceSplitter places chunks 1 and 2 at earlier copies of the repeated phrase (12 and
+    # 15); the sectioner puts them at their own (28 and 55) and says so, so RSE cuts their
+    # overlaps by the offsets instead of doubting them.
+    from llama_index.core.schema import NodeWithScore
+    from llama_index.core.storage.docstore import SimpleDocumentStore
+
+    from llama_index.packs.self_rag_rse import RelevantSegmentPostprocessor
+    from llama_index.packs.self_rag_rse.context.keys import OFFSETS_CHECKED_KEY
+
+    text = "東京は日本の首都です。" + "漢字かな交じり文" * 12 + "。大阪は第二の都市です。"
+    splitter = SentenceSplitter(chunk_size=38, chunk_overlap=8)
+    nodes = DocumentSectioner(splitter=splitter)([Document(text=text, id_="jp")])
+    assert [n.start_char_idx for n in nodes] == [0, 28, 55, 82, 100]
+    for node in nodes:
+        assert node.metadata[OFFSETS_CHECKED_KEY] is True
+        assert node.get_content(metadata_mode=MetadataMode.LLM) == node.text
+    # RSE over hits on chunks 2-4: the exact text, with its range (the splitter's offsets gave
+    # 33 newlines where the document has text).
+    docstore = SimpleDocumentStore()
+    docstore.add_documents(nodes)
+    hits = [NodeWithScore(node=node, score=0.9) for node in nodes[2:5]]
+    (segment,) = RelevantSegmentPostprocessor(docstore=docstore).postprocess_nodes(hits)
+    start, end = segment.node.metadata["segment_char_range"]
+    assert text[start:end] == segment.node.get_content() and (start, end) == (55, len(text))
+
+
+@pytest.mark.parametrize(
+    "splitter",
+    [SentenceSplitter(chunk_size=96, chunk_overlap=8), None],
+    ids=["sentence-splitter", "no-splitter"],
+)
+def test_from_dict_of_to_dict_is_the_same_transformation(splitter: Any) -> None:
+    """The splitter and the prompt came back as dicts of abstract classes (and the splitter's
+    id function as a name): DocumentSectioner.from_dict failed.
+    """
+    from llama_index.core.node_parser import TokenTextSplitter
+
+    for sectioner in (
+        DocumentSectioner(splitter=splitter),
+        DocumentSectioner(splitter=TokenTextSplitter(chunk_size=64, chunk_overlap=4)),
+    ):
+        for rebuilt in (
+            DocumentSectioner.from_dict(sectioner.to_dict()),
+            DocumentSectioner.from_json(sectioner.to_json()),
+        ):
+            assert rebuilt.to_dict() == sectioner.to_dict()
+            assert (
+                rebuilt.sectioning_prompt.get_template()
+                == sectioner.sectioning_prompt.get_template()
+            )
+            documents = corpus_documents(("execmodel",))
+            assert [n.text for n in rebuilt(documents)] == [n.text for n in sectioner(documents)]
+
+
+def test_from_dict_asks_for_a_splitter_it_cannot_rebuild() -> None:
+    # A function does not serialise: rebuilt with the default id_func, the splitter would have
+    # named its chunks otherwise (it failed with "id_func: Input should be callable").
+    splitter = SentenceSplitter(chunk_size=96, chunk_overlap=8, id_func=lambda i, d: f"{i}")
+    data = DocumentSectioner(splitter=splitter).to_dict()
+    with pytest.raises(ValueError, match=r"from_dict\(data, splitter=\.\.\.\)"):
+        DocumentSectioner.from_dict(data)
+    assert DocumentSectioner.from_dict(data, splitter=splitter).splitter is splitter
+
+
 # -- what it is given ---------------------------------------------------------------------------
 
 

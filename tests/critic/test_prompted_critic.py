@@ -33,7 +33,7 @@ from llama_index.packs.self_rag_rse import (
     ParagraphJudgement,
     PromptedCritic,
 )
-from llama_index.packs.self_rag_rse.critic.prompts import DEFAULT_RELEVANCE_PROMPT
+from llama_index.packs.self_rag_rse.critic.prompts import DEFAULT_PROMPTS
 from llama_index.packs.self_rag_rse.llamacpp.context import DecodeStats
 from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
 from llama_index.packs.self_rag_rse.llamacpp.sequences import Request
@@ -536,15 +536,20 @@ def test_llama_cpp_relevance_is_the_label_probability_of_the_full_prompt(
     import llama_cpp
 
     (judgement,) = smollm2_critic.judge(QUERY, PARAGRAPHS[1:2])
-    content = DEFAULT_RELEVANCE_PROMPT.format(query_str=QUERY, context_str=PARAGRAPHS[1])
+    content = DEFAULT_PROMPTS["relevance_prompt"].format(query_str=QUERY, context_str=PARAGRAPHS[1])
     text = (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
         f"Face<|im_end|>\n<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
     )
     reference = llama_cpp.Llama(
-        str(smollm2_path), n_ctx=512, n_threads=1, logits_all=True, verbose=False,
-        type_k=0, type_v=0,
-    )  # fmt: skip
+        str(smollm2_path),
+        n_ctx=512,
+        n_threads=1,
+        logits_all=True,
+        verbose=False,
+        type_k=0,
+        type_v=0,
+    )
     try:
         tokens = reference.tokenize(text.encode(), add_bos=False, special=True)
         reference.eval(tokens)

@@ -46,14 +46,8 @@ def test_parse_spec(tmp_path):
     assert parse_spec(str(gguf)) == ModelSpec("gguf", str(gguf))
     assert parse_spec("http://h/v1#qwen") == ModelSpec("served", "qwen", "http://h/v1")
     assert parse_spec("https://h/v1", chat=True) == ModelSpec("served", None, "https://h/v1", True)
-    # The old forms, accepted for one release: the kind says chat or not, whatever the flag.
-    assert parse_spec("openai-like:qwen", url="http://h/v1", chat=True) == ModelSpec(
-        "served", "qwen", "http://h/v1", False
-    )
-    assert parse_spec("openai-like-chat", url="http://h/v1") == ModelSpec(
-        "served", None, "http://h/v1", True
-    )
-    with pytest.raises(ValueError, match="pass --judge URL"):
+    # The form before URL[#MODEL] was never released: it is no model form now.
+    with pytest.raises(ValueError, match=r"pass bundled, PATH\.gguf or URL"):
         parse_spec("openai-like-chat:x", flag="--judge")
     with pytest.raises(ValueError, match="does not exist"):
         parse_spec(str(tmp_path / "absent.gguf"))
@@ -90,9 +84,9 @@ def test_help_lists_evaluate_and_keeps_the_other_commands(capsys):
     with pytest.raises(SystemExit):
         main(["evaluate", "--help"])
     out = capsys.readouterr().out
-    for flag in ("--docs", "--qa", "--out", "--llm", "--judge", "--judge-url", "--workers"):
+    for flag in ("--docs", "--qa", "--out", "--llm", "--judge", "--workers"):
         assert flag in out
-    assert "URL[#MODEL]" in out and "openai-like[-chat][:MODEL]" in out  # the old form too
+    assert "URL[#MODEL]" in out
     assert main(["list"]) == 0
     assert "SelfRAGQueryEngine" in capsys.readouterr().out
 
@@ -122,8 +116,7 @@ def no_loading(monkeypatch):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--llm", "openai-like:qwen"], "--llm openai-like:qwen needs the server: pass --llm URL"),
-        (["--judge-url", "http://x/v1"], "--judge-url is for a served model"),
+        (["--judge-url", "http://x/v1"], "unrecognized arguments: --judge-url"),
         (["--llm", "missing.gguf"], "missing.gguf does not exist"),
         (["--llm", "gpt-7"], "--llm 'gpt-7': pass bundled, PATH.gguf or URL[#MODEL]"),
         (["--engines", "top-k,best"], "--engines: unknown ['best']"),
@@ -147,10 +140,13 @@ def test_bad_arguments_fail_fast_with_the_fix(inputs, capsys, no_loading, extra,
         (["--retries", "-1"], "--retries: must be 0 or more, got '-1'"),
         (["--top-k", "two"], "--top-k: must be a whole number of at least 1, got 'two'"),
         (["--rse-max-length", "0"], "--rse-max-length: must be a whole number of at least 1"),
-        (["--rse-context-chars", "100000000"], "--rse-context-chars: must be a whole number from "
-         "1 to 10,000,000 (characters), got '100000000'"),
+        (
+            ["--rse-context-chars", "100000000"],
+            "--rse-context-chars: must be a whole number from "
+            "1 to 10,000,000 (characters), got '100000000'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_every_flag_is_checked_before_anything_loads(inputs, capsys, no_loading, extra, message):
     assert evaluate_with(inputs, *extra) == 2
     assert message in capsys.readouterr().err
@@ -162,7 +158,7 @@ def test_a_budget_and_an_overall_length_together_are_refused(inputs, capsys, no_
     assert evaluate_with(inputs, *extra) == 1
     err = capsys.readouterr().err
     assert "--rse-context-chars replaces --rse-overall-max-length" in err
-    assert "pass one" in err
+    assert "keep --rse-context-chars for a budget in characters or --rse-overall" in err
     assert not inputs[2].exists()
 
 
@@ -261,10 +257,24 @@ def test_ctrl_c_mid_run_exits_cleanly_and_the_cache_resumes(inputs):
         "runpy.run_module('llama_index.packs.self_rag_rse', run_name='__main__', alter_sys=True)"
     )
     command = [
-        sys.executable, "-c", start, "evaluate", "--docs", str(docs),
-        "--qa", str(qa), "--out", str(out), "--engines", "top-k", "--judge-backend", "none",
-        "--max-new-tokens", "48", "--no-progress",
-    ]  # fmt: skip
+        sys.executable,
+        "-c",
+        start,
+        "evaluate",
+        "--docs",
+        str(docs),
+        "--qa",
+        str(qa),
+        "--out",
+        str(out),
+        "--engines",
+        "top-k",
+        "--judge-backend",
+        "none",
+        "--max-new-tokens",
+        "48",
+        "--no-progress",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cache = out / "cache.jsonl"
     deadline = time.monotonic() + 240
@@ -315,3 +325,129 @@ def test_a_served_model_that_is_not_running_is_an_error_not_a_traceback(inputs, 
     err = capsys.readouterr().err
     assert f"evaluate: error: cannot connect to http://127.0.0.1:{port}" in err
     assert "Traceback" not in err
+
+
+# -- a served model that is down, a run where everything failed ----------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--llm", "--judge"])
+def test_a_served_model_that_is_down_stops_the_run_before_indexing(inputs, capsys, flag):
+    """With URL#MODEL nothing asked the server before the run: the index was built, every
+    question failed on its request, and the run exited 0.
+    """
+    from servers import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    extra = [flag, f"{url}#m", "--engines", "top-k", "--no-progress"]
+    assert evaluate_with(inputs, *extra) == 1
+    captured = capsys.readouterr()
+    assert f"evaluate: error: cannot connect to {url}" in captured.err
+    assert "start the server" in captured.err and "Indexing" not in captured.out
+    assert not inputs[2].exists()
+
+
+def test_a_run_where_every_answer_failed_exits_1(inputs, capsys):
+    """The server answers its model list but refuses every completion (vLLM, asked for a model
+    it does not serve): every answer failed, and the run exited 0 as if it had measured
+    something.
+    """
+    from served.stub import Reply, StubServer
+
+    def handle(method, path, body):
+        if path.endswith("/models"):
+            return Reply.json({"object": "list", "data": [{"id": "qwen", "object": "model"}]})
+        message = f"The model `{body['model']}` does not exist."
+        return Reply.json({"error": {"message": message, "code": 404}}, status=404)
+
+    with StubServer(handle) as stub:
+        extra = ["--llm", f"{stub.url}/v1#gpt-7", "--engines", "top-k", "--judge-backend", "none"]
+        assert evaluate_with(inputs, *extra, "--no-progress") == 1
+    captured = capsys.readouterr()
+    assert "every answer failed (first: NotFoundError" in captured.err
+    assert "gpt-7" in captured.err and "nothing was measured" in captured.err
+    records = json.loads((inputs[2] / "records.json").read_text())
+    assert len(records) == 2 and all("answer" in record["errors"] for record in records)
+
+
+# -- Ctrl-C while loading, a folder in use ------------------------------------------------------
+
+#: The command as from a terminal (see test_ctrl_c_mid_run_exits_cleanly_and_the_cache_resumes),
+#: saying "ready" once the command line module is imported.
+FROM_A_TERMINAL = (
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from llama_index.packs.self_rag_rse.cli import main; "
+    "print('ready', file=sys.stderr, flush=True); sys.exit(main(sys.argv[1:]))"
+)
+
+
+def start_evaluate(inputs, *extra):
+    """``self-rag-rse evaluate`` on the fixture's inputs in a new process, once it is ready."""
+    import subprocess
+    import sys
+
+    docs, qa, out = inputs
+    argv = ["evaluate", "--docs", str(docs), "--qa", str(qa), "--out", str(out), *extra]
+    process = subprocess.Popen(
+        [sys.executable, "-c", FROM_A_TERMINAL, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stderr is not None and process.stderr.readline() == "ready\n"
+    return process
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["importing", "indexing"])
+def test_ctrl_c_while_loading_exits_130_in_one_line(inputs, moment):
+    """Ctrl-C in the first seconds (llama-index-core importing, the embedding model loading,
+    the index building) printed a traceback of some 60 lines, with no resume hint.
+    """
+    import signal
+
+    process = start_evaluate(inputs, "--engines", "top-k", "--judge-backend", "none")
+    if moment == "importing":
+        time.sleep(0.3)
+    else:
+        assert process.stdout is not None and "Indexing" in process.stdout.readline()
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=240)
+    assert process.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert err.strip().splitlines()[-1].startswith("interrupted: ")
+    assert "run the same command again to resume" in err
+    out = inputs[2]
+    assert not out.exists() or [path.name for path in out.iterdir()] == []
+
+
+@pytest.mark.slow
+def test_two_runs_on_one_out_folder(inputs, capsys, monkeypatch, no_loading):
+    """A second run on the same --out computed every item again, both appending to one cache:
+    now it stops at once, naming the folder and what to do; a lock left by a killed run is
+    taken over.
+    """
+    import signal
+
+    out = inputs[2]
+    first = start_evaluate(inputs, "--engines", "top-k", "--judge-backend", "none")
+    assert first.stdout is not None and "Indexing" in first.stdout.readline()
+    try:
+        assert evaluate_with(inputs, "--engines", "top-k", "--judge-backend", "none") == 1
+        err = capsys.readouterr().err
+        lock = out / "evaluate.lock"
+        assert f"--out {out} is in use by another evaluate run (its process id is in {lock})" in err
+        assert "wait for it to finish, or pass another --out; if no run is alive, remove" in err
+        assert lock.read_text() == f"{first.pid}\n"
+    finally:
+        first.send_signal(signal.SIGKILL)  # as a crash: its lock stays behind
+        first.communicate(timeout=60)
+    assert "evaluate.lock" in [path.name for path in out.iterdir()]
+    monkeypatch.undo()  # the third run loads the bundled models
+    tiny = ["--engines", "top-k", "--judge-backend", "none", "--limit", "1", "--no-progress"]
+    assert evaluate_with(inputs, *tiny, "--max-new-tokens", "4") == 0
+    assert sorted(path.name for path in out.iterdir()) == [
+        "cache.jsonl",
+        "records.json",
+        "report.md",
+        "report.png",
+    ]

@@ -41,14 +41,21 @@ def test_reads_questions_and_locates_evidence(docs, tmp_path):
     qa = write(
         tmp_path / "qa.jsonl",
         [
-            {"question": "When does else run?", "document": "loops.txt",
-             "evidence": "The else clause\nruns at the end.", "reference": "At the end."},
+            {
+                "question": "When does else run?",
+                "document": "loops.txt",
+                "evidence": "The else clause\nruns at the end.",
+                "reference": "At the end.",
+            },
             "",
-            {"question": "How are names bound?", "document": "names.md",
-             "evidence": "bound by assignment"},
+            {
+                "question": "How are names bound?",
+                "document": "names.md",
+                "evidence": "bound by assignment",
+            },
             {"question": "No evidence here?"},
         ],
-    )  # fmt: skip
+    )
     questions = load_questions(qa, documents)
     assert [q.question for q in questions] == [
         "When does else run?",
@@ -227,8 +234,8 @@ def test_a_document_name_matching_two_files_names_both(tmp_path):
     qa = write(tmp_path / "qa.jsonl", [{"question": "q", "document": "README.md"}])
     with pytest.raises(ValueError, match=r"line 1: document 'README\.md'") as info:
         load_questions(qa, read_documents(folder))
-    assert "ambiguous: give a/README.md or b/README.md" in str(info.value)
-    assert "not a file" not in str(info.value)
+    assert "matches 2 files in --docs (a/README.md, b/README.md)" in str(info.value)
+    assert "path relative to --docs" in str(info.value) and "not a file" not in str(info.value)
 
 
 @pytest.mark.parametrize("value", [0, False, [], {}])

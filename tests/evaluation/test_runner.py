@@ -224,8 +224,12 @@ def test_failing_engine_is_recorded_and_not_judged(fixed_engine, tmp_path):
 def test_metric_selection_and_no_judge(engines):
     built, _ = engines
     result = run(
-        built, QUESTIONS, CountingJudge(), documents=DOCUMENTS, metrics=["constant"],
-    )  # fmt: skip
+        built,
+        QUESTIONS,
+        CountingJudge(),
+        documents=DOCUMENTS,
+        metrics=["constant"],
+    )
     assert result.metrics == ["constant"]
     with pytest.raises(ValueError, match="unknown metric"):
         run(built, QUESTIONS, CountingJudge(), metrics=["faithfulness"])
@@ -272,7 +276,7 @@ def test_judge_timeouts_are_failures(engines):
             await asyncio.sleep(10)
             return 1.0
 
-    result = run(built, QUESTIONS[:1], HangingJudge(), timeout_s=0.05, retries=0)  # fmt: skip
+    result = run(built, QUESTIONS[:1], HangingJudge(), timeout_s=0.05, retries=0)
     assert all("TimeoutError" in e for r in result.records for e in r.errors.values())
     assert len(result.failures) == 4
 
@@ -314,7 +318,10 @@ def test_a_nan_score_is_a_failed_judgement(engines):
     assert len(judge.calls) == 4  # not asked again: the same question gets the same reply
     assert all(r.metrics == {"length": None, "constant": None} for r in result.records)
     assert {e for r in result.records for e in r.errors.values()} == {
-        "JudgementError: the judge returned nan"
+        "JudgementError: the judge returned nan for length: its replies held nothing to score "
+        "(e.g. no statements taken from the answer); a more capable judge model gives one",
+        "JudgementError: the judge returned nan for constant: its replies held nothing to score "
+        "(e.g. no statements taken from the answer); a more capable judge model gives one",
     }
     json.dumps(result.to_json(), allow_nan=False)  # records.json stays valid JSON
 

@@ -60,9 +60,14 @@ def digits_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         patch.setattr(tiny_gguf, "_tiny_vocab", with_digits)
         tiny_gguf.write_tiny_gguf(path, typing="none")
     llm = llama_cpp.Llama(
-        str(Path(path)), n_ctx=2048, n_threads=1, n_threads_batch=1, type_k=0, type_v=0,
+        str(Path(path)),
+        n_ctx=2048,
+        n_threads=1,
+        n_threads_batch=1,
+        type_k=0,
+        type_v=0,
         verbose=False,
-    )  # fmt: skip
+    )
     yield llm
     llm.close()
 

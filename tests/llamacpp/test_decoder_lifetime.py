@@ -17,7 +17,8 @@ from typing import Any
 import llama_cpp
 import numpy as np
 import pytest
-from conftest import GGML_TYPE_F32, _llama
+from models import GGML_TYPE_F32
+from models import load_llama as _llama
 
 from llama_index.packs.self_rag_rse.llamacpp import compat
 from llama_index.packs.self_rag_rse.llamacpp.compat import MODEL_CLOSED_MESSAGE, ModelClosedError
@@ -252,7 +253,7 @@ def test_a_model_freed_without_telling_the_decoder_is_detected_and_left_alone(
     own_llm: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A llama-cpp-python without the exit stacks compat hooks: the close goes unheard.
-    monkeypatch.setattr(compat, "on_close", lambda llama, callback: False)
+    monkeypatch.setattr(compat, "on_close", lambda llama, callback: lambda: None)
     decoder = BatchedDecoder(own_llm, n_seq_max=2)
     inputs = inputs_for(own_llm)
     decoder.generate(**inputs, max_new_tokens=3)
@@ -394,3 +395,41 @@ def test_a_grown_context_that_does_not_fit_falls_back_to_the_request(
             # quarter more, for the conversation's next call) does not fit, one stream of 512 does
             (out,) = conversation.run([Request(inputs["prefix"], 400)])
         assert out.error is None and limited.requested == [3072, 512]
+
+
+def exit_callbacks(llm: Any) -> int:
+    """Callbacks waiting on the exit stack that frees ``llm``'s model (llama-cpp-python's)."""
+    return len(llm._model._exit_stack._exit_callbacks)
+
+
+def test_decoders_dropped_on_a_shared_model_leave_nothing_on_its_exit_stack(
+    own_llm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A server that builds a decoder per request on one loaded model: each used to leave a
+    # callback (holding its emptied context) on the model's exit stack until the model closed.
+    model_closed = compat.closed_check(own_llm)
+    freed: list[bool] = []  # one entry per llama_free: whether the model was still open
+    real_free = llama_cpp.llama_free
+
+    def spy(ctx: Any) -> None:
+        freed.append(not model_closed())
+        real_free(ctx)
+
+    monkeypatch.setattr(llama_cpp, "llama_free", spy)
+    kept = BatchedDecoder(own_llm, n_seq_max=2)
+    kept.generate(**inputs_for(own_llm), max_new_tokens=3)
+    registered = exit_callbacks(own_llm)
+    for i in range(40):
+        dropped = BatchedDecoder(own_llm, n_seq_max=2)
+        if i % 10 == 0:
+            dropped.generate(**inputs_for(own_llm), max_new_tokens=3)
+        del dropped
+    gc.collect()
+    assert exit_callbacks(own_llm) == registered
+    assert freed == [True] * 4  # each dropped decoder that made a context freed it
+    # The decoder still alive is still freed before the model, once.
+    own_llm.close()
+    assert freed == [True] * 5
+    assert kept.kv_cells == 0
+    with pytest.raises(ModelClosedError):
+        kept.check_open()

@@ -69,7 +69,7 @@ def talkative_critic(talkative_llm: Any, request: pytest.FixtureRequest) -> Any:
 @pytest.fixture(scope="module")
 def talkative_reference(talkative_gguf: Any) -> Any:
     """The talkative model with logits_all=True: the oracle for its log-probs."""
-    from conftest import _llama  # the top conftest's loader (one settings table for all)
+    from models import load_llama as _llama  # the tests' loader (one settings table for all)
 
     llm = _llama(talkative_gguf, logits_all=True)
     yield llm

@@ -153,3 +153,15 @@ def test_the_paired_comparison_counts_questions_and_bounds_the_mean() -> None:
         "less": 0,
         "interval": [0.0, 0.0],
     }
+
+
+def test_documents_are_known_by_their_text_not_their_path() -> None:
+    """Ids from paths made the figures move (by up to 0.002) with the folder the documents lay
+    in: Qdrant orders hits of equal score by point id, and stable chunk ids come from them.
+    """
+    bench = _script("bench_rse_quality")
+    here = bench.content_ids({"a/x.txt": "one", "b/y.txt": "two", "c/z.txt": "one"})
+    there = bench.content_ids({"elsewhere/q.txt": "two", "p.txt": "one"})
+    assert here["b/y.txt"] == there["elsewhere/q.txt"]
+    assert here["a/x.txt"] == there["p.txt"]
+    assert here["c/z.txt"] not in (here["a/x.txt"], here["b/y.txt"])  # the same text twice

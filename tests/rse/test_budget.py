@@ -7,11 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from llama_index.packs.self_rag_rse.rse.budget import (
-    MAX_BUDGET,
-    fill_budget,
-    find_budgeted_segments,
-)
+from llama_index.packs.self_rag_rse.rse.budget import fill_budget, find_budgeted_segments
+from llama_index.packs.self_rag_rse.rse.values import MAX_BUDGET
 
 
 def segment_cost(start, end, first, step):

@@ -20,6 +20,7 @@ from text_strategies import SEPARATORS, WORDS, same_but_whitespace
 
 from llama_index.packs.self_rag_rse import ChunkIndexer, RelevantSegmentPostprocessor
 from llama_index.packs.self_rag_rse.context.keys import DOCUMENT_TITLE_KEY, SECTION_PATH_KEY
+from llama_index.packs.self_rag_rse.rse.context_budget import BUDGET_MINIMUM_VALUE
 
 QUERY = 'The "while" statement: loop while an expression is true, else clause, break, continue'
 
@@ -298,9 +299,9 @@ def test_async_equals_sync_under_a_budget(indexed):
 
 
 def test_a_wrong_token_estimate_drops_then_refills(doc_nodes, docstore_with):
-    """The search spends characters at the hits' average characters per token; where one hit
-    is far denser in tokens, the nodes built overrun the token limit. The correction drops the
-    least valuable segments until the rest fits, then adds back the best hits that fit alone.
+    """One hit far denser in tokens than the others: priced at the hits' average characters per
+    token, the nodes built overran the limit and the correction dropped, then refilled; each
+    chunk priced at its own count, the best hit (100 tokens) is never taken for 60.
     """
     nodes = doc_nodes("d", 6, text_len=100)
     for node, fill in zip(nodes, "xyyyyy", strict=True):
@@ -365,8 +366,9 @@ def test_under_a_budget_a_pair_of_weaker_hits_does_not_displace_the_next_hit(
     assert sorted(n.node.metadata["segment_document_id"] for n in dsrag) == ["a", "c"]
     assert sorted(n.node.metadata["segment_document_id"] for n in default) == ["a", "b"]
     assert llm_chars(dsrag) <= 300 and llm_chars(default) <= 300
-    assert RelevantSegmentPostprocessor(max_context_chars=300)._param("minimum_value") == 1.0
-    assert RelevantSegmentPostprocessor()._param("minimum_value") == 0.5  # dsRAG's balanced
+    budgeted = RelevantSegmentPostprocessor(max_context_chars=300)._selection([])
+    assert budgeted.minimum_value == BUDGET_MINIMUM_VALUE == 1.0
+    assert RelevantSegmentPostprocessor()._selection([]).minimum_value == 0.5  # dsRAG's balanced
 
 
 @pytest.mark.parametrize("bad", [-1, True, 1.5, "2"])
@@ -535,3 +537,117 @@ def test_a_piece_of_a_better_hit_takes_the_room_of_a_weaker_whole_one(docstore_w
     assert nodes[20].get_content().startswith(piece.get_content())
     assert len(piece.get_content()) >= budget - whole - 20
     assert_no_text_twice(result)
+
+
+BYTES = "utf-8"
+
+
+def _by_bytes(text: str) -> bytes:
+    """A byte-level token count, as BPE tokenizers start from: a CJK character is 3 tokens."""
+    return text.encode(BYTES)
+
+
+def _two_scripts(seed: int) -> list[TextNode]:
+    """An English and a Japanese document, split and stamped."""
+    import random
+
+    from llama_index.core import Document
+    from llama_index.core.node_parser import SentenceSplitter
+
+    rng = random.Random(seed)
+    english = [
+        "the",
+        "river",
+        "flows",
+        "past",
+        "old",
+        "mills",
+        "and",
+        "quiet",
+        "towns",
+        "where",
+        "people",
+        "gather",
+    ]
+    japanese = ["東京", "大阪", "川", "町", "人々", "集まる", "古い", "静かな", "流れる", "です"]
+    texts = {
+        "en": " ".join(
+            " ".join(rng.choice(english) for _ in range(rng.randint(4, 10))) + "."
+            for _ in range(30)
+        ),
+        "ja": "".join(
+            "".join(rng.choice(japanese) for _ in range(rng.randint(4, 10))) + "。"
+            for _ in range(30)
+        ),
+    }
+    documents = [Document(text=text, id_=doc_id) for doc_id, text in texts.items()]
+    splitter = SentenceSplitter(chunk_size=48, chunk_overlap=0)
+    return list(ChunkIndexer()(splitter.get_nodes_from_documents(documents)))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_token_budget_prices_each_chunk_at_its_own_count(docstore_with, seed):
+    """Priced at the hits' average characters per token (English at 1 token a character,
+    Japanese at 3), the search dropped a hit that fit alone and left the tokens unused (in 21 of
+    300 such runs). Each chunk is priced at its own count: no hit that fits in what is left is
+    left out (one next to a segment would join it, and is judged by the search).
+    """
+    import random
+
+    rng = random.Random(seed)
+    nodes = _two_scripts(seed)
+    hits = rng.sample(nodes, 8)
+    budget = rng.randint(60, 400)
+    rse = RelevantSegmentPostprocessor(
+        docstore=docstore_with(nodes),
+        max_context_tokens=budget,
+        tokenizer=_by_bytes,
+        partial_fill=False,
+    )
+    result = rse.postprocess_nodes(
+        [NodeWithScore(node=h, score=rng.uniform(0.2, 0.9)) for h in hits]
+    )
+    cost = [len(_by_bytes(n.node.get_content(metadata_mode=MetadataMode.LLM))) for n in result]
+    assert sum(cost) <= budget
+    returned = {i for n in result for i in n.node.metadata["segment_node_ids"]}
+    placed = {(n.ref_doc_id, n.metadata["chunk_index"]) for n in nodes if n.node_id in returned}
+    for hit in hits:
+        doc_id, index = hit.ref_doc_id, hit.metadata["chunk_index"]
+        beside = {(doc_id, index - 1), (doc_id, index + 1)} & placed
+        if hit.node_id not in returned and not beside:
+            assert len(_by_bytes(hit.get_content())) > budget - sum(cost), hit.node_id
+
+
+@pytest.mark.parametrize("unit", ["max_context_chars", "max_context_tokens"])
+def test_a_hit_of_exactly_the_budget_fits(docstore_with, unit):
+    """The token limit became a character budget, at the hits' average characters per token,
+    rounded down: the best hit, of exactly the limit's size, was refused for a weaker one.
+    """
+    nodes = _two_scripts(0)
+    best = next(node for node in nodes if node.ref_doc_id == "en")
+    weaker = next(node for node in nodes if node.ref_doc_id == "ja")
+    size = len(best.get_content())  # in characters, and in bytes: English
+    tokenizer = {"tokenizer": _by_bytes} if unit == "max_context_tokens" else {}
+    rse = RelevantSegmentPostprocessor(docstore=docstore_with(nodes), **{unit: size}, **tokenizer)
+    hits = [NodeWithScore(node=best, score=0.8), NodeWithScore(node=weaker, score=0.5)]
+    (segment,) = rse.postprocess_nodes(hits)
+    assert segment.node.get_content() == best.get_content()
+
+
+def test_the_best_hit_that_fits_alone_is_not_dropped_for_denser_ones(docstore_with):
+    """The best hit, English (a token a character), fits the token limit alone; priced at the
+    average with three Japanese hits (3 tokens a character), it cost more characters than the
+    limit allowed, the Japanese hits were taken instead and most of the limit stayed unused.
+    """
+    nodes = _two_scripts(3)
+    english = [n for n in nodes if n.ref_doc_id == "en"]
+    japanese = [n for n in nodes if n.ref_doc_id == "ja"]
+    best = max(english[:8], key=lambda n: len(n.get_content()))
+    hits = [NodeWithScore(node=best, score=0.9)]
+    hits += [NodeWithScore(node=japanese[i], score=0.6 - i / 100) for i in (1, 4, 7)]
+    budget = len(_by_bytes(best.get_content())) + 8
+    rse = RelevantSegmentPostprocessor(
+        docstore=docstore_with(nodes), max_context_tokens=budget, tokenizer=_by_bytes
+    )
+    result = rse.postprocess_nodes(hits)
+    assert result[0].node.get_content() == best.get_content()

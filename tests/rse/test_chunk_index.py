@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import pickle
 import random
 
 import pytest
@@ -254,3 +255,68 @@ def test_hierarchical_parents_are_refused_naming_the_leaves() -> None:
         ChunkIndexer()(nodes)
     leaves = sorted(ChunkIndexer()(get_leaf_nodes(nodes)), key=lambda n: n.start_char_idx)
     assert [n.metadata[CHUNK_INDEX_KEY] for n in leaves] == list(range(len(leaves)))
+
+
+#: Text that repeats: SentenceSplitter(chunk_size=38, chunk_overlap=8) places chunks 1 and 2 at
+#: earlier copies of their text (12 and 15); they hold 28 and 55.
+REPEATED = "東京は日本の首都です。" + "漢字かな交じり文" * 12 + "。大阪は第二の都市です。"
+
+
+def repeated_pipeline(**options):
+    from llama_index.core.node_parser import SentenceSplitter
+
+    splitter = SentenceSplitter(chunk_size=38, chunk_overlap=8)
+    return IngestionPipeline(transformations=[splitter, ChunkIndexer(**options)])
+
+
+def test_given_the_documents_each_chunk_gets_its_own_copy_of_repeated_text():
+    from llama_index.packs.self_rag_rse.context.keys import OFFSETS_CHECKED_KEY
+
+    document = Document(text=REPEATED, id_="jp")
+    as_split = repeated_pipeline(stable_ids=True).run(documents=[document])
+    assert [n.start_char_idx for n in as_split] == [0, 12, 15, 82, 100]  # the splitter's
+    assert not any(OFFSETS_CHECKED_KEY in n.metadata for n in as_split)
+    placed = repeated_pipeline(stable_ids=True, documents=[document]).run(documents=[document])
+    assert [n.start_char_idx for n in placed] == [0, 28, 55, 82, 100]
+    for node in placed:
+        assert REPEATED[node.start_char_idx : node.end_char_idx] == node.text
+        assert node.metadata[OFFSETS_CHECKED_KEY] is True
+        for mode in (MetadataMode.LLM, MetadataMode.EMBED):
+            assert node.get_content(metadata_mode=mode) == node.text  # hidden from both
+    # IngestionPipeline(num_workers=2) pickles its transformations: the documents go along.
+    unpickled = pickle.loads(pickle.dumps(ChunkIndexer(documents=[document])))
+    splitter = repeated_pipeline().transformations[0]
+    nodes = unpickled(splitter.get_nodes_from_documents([document]))
+    assert [n.start_char_idx for n in nodes] == [0, 28, 55, 82, 100]
+
+
+def test_documents_that_are_not_the_chunks_source_change_nothing():
+    from llama_index.packs.self_rag_rse.context.keys import OFFSETS_CHECKED_KEY
+
+    document = Document(text=REPEATED, id_="jp")
+    other = Document(text=REPEATED.replace("大阪", "京都"), id_="jp")  # another version
+    nodes = repeated_pipeline(documents=[other]).run(documents=[document])
+    assert [n.start_char_idx for n in nodes] == [0, 12, 15, 82, 100]
+    assert not any(OFFSETS_CHECKED_KEY in n.metadata for n in nodes)
+
+
+def test_a_call_holding_part_of_a_document_keeps_the_splitters_offsets():
+    # Nodes ingested in batches after splitting: a batch cannot be placed in the document (the
+    # chunks before it are elsewhere), so its offsets stay as the splitter left them, unmarked.
+    from llama_index.core.node_parser import SentenceSplitter
+
+    from llama_index.packs.self_rag_rse.context.keys import OFFSETS_CHECKED_KEY
+
+    document = Document(text=REPEATED, id_="jp")
+    splitter = SentenceSplitter(chunk_size=38, chunk_overlap=8)
+    nodes = ChunkIndexer()(splitter.get_nodes_from_documents([document]))
+    batch = ChunkIndexer(documents=[document])(nodes[1:3])
+    assert [n.start_char_idx for n in batch] == [12, 15]  # the splitter's, misplaced
+    assert [n.metadata[CHUNK_INDEX_KEY] for n in batch] == [1, 2]  # stamped before: kept
+    assert not any(OFFSETS_CHECKED_KEY in n.metadata for n in batch)
+
+
+def test_a_misspelt_option_is_an_error_naming_the_closest():
+    # Pydantic dropped it: ChunkIndexer(stabel_ids=True) ran with stable_ids=False.
+    with pytest.raises(TypeError, match="'stabel_ids' \\(did you mean 'stable_ids'\\?\\)"):
+        ChunkIndexer(stabel_ids=True)

@@ -466,7 +466,20 @@ def test_warnings_are_not_raised_for_clean_input(indexed):
     retrieved = indexed.as_retriever(similarity_top_k=10).retrieve(QUERY)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        RelevantSegmentPostprocessor(index=indexed).postprocess_nodes(retrieved)
+        result = RelevantSegmentPostprocessor(index=indexed).postprocess_nodes(retrieved)
+    # Quiet because nothing went wrong, not because nothing came back: the ten hits (all of
+    # "compound", the best its chunks 8 and 9) give two segments, best first, each the exact
+    # span of the document.
+    assert_exact_segments(result)
+    assert len(result) == 2
+    assert [item.node.metadata["segment_document_id"] for item in result] == ["compound"] * 2
+    best_hits = [hit.node.metadata["chunk_index"] for hit in retrieved[:2]]
+    first, last = result[0].node.metadata["segment_chunk_range"]
+    assert all(first <= index < last for index in best_hits)
+    assert last - first > len(best_hits)  # joined with chunks nobody retrieved
+    assert 'The "while" statement' in result[0].node.get_content()
+    second_start, _ = result[1].node.metadata["segment_chunk_range"]
+    assert second_start > last  # apart from the first: segments never touch
 
 
 def test_documents_helper_round_trip():

@@ -90,7 +90,9 @@ def test_a_gap_wider_than_a_splitter_strips_is_a_hole():
 
 
 def test_gap_width_limits():
-    a, b = "x" * 20, "y" * 20
+    # Texts that do not repeat themselves: "x" * 20 could sit anywhere in a run of x's, so a gap
+    # after it is no evidence (see test_repeated_text_is_joined_whole_never_refilled).
+    a, b = "first chunk of text.", "Then the next chunk."
 
     def joined(gap: int, linked: bool) -> bool:
         spans = [(0, 20), (20 + gap, 40 + gap)]
@@ -141,7 +143,7 @@ def test_repeated_text_placed_at_an_earlier_copy_loses_nothing():
 
 
 def test_distrusted_offsets_are_ignored():
-    a, b = "x" * 20, "y" * 20
+    a, b = "first chunk of text.", "Then the next chunk."
     spans = [(0, 20), (22, 42)]
     assert len(stitch_chunks([a, b], spans)) == 1
     pieces = stitch_chunks([a, b], spans, [False, False], [False, True])
@@ -201,3 +203,48 @@ def test_one_overlap_joins_and_several_are_refused_without_offsets():
     periodic = "abcdefghij" * 6  # every 10-character shift is a suffix/prefix match
     [piece] = stitch_chunks([periodic, periodic + "end"], None, [False, False])
     assert piece.text == periodic + "\n" + periodic + "end"  # both whole: nothing cut unsure
+
+
+#: Text that repeats: SentenceSplitter(chunk_size=38, chunk_overlap=8) places chunks 1 and 2 at
+#: earlier copies of their text (12 and 15; they hold 28 and 55).
+REPEATED = "東京は日本の首都です。" + "漢字かな交じり文" * 12 + "。大阪は第二の都市です。"
+
+
+def repeated_chunks(place: bool = False):
+    from llama_index.core import Document
+    from llama_index.core.node_parser import SentenceSplitter
+
+    from llama_index.packs.self_rag_rse.context.placement import place_chunks
+
+    splitter = SentenceSplitter(chunk_size=38, chunk_overlap=8)
+    nodes = splitter.get_nodes_from_documents([Document(text=REPEATED)])
+    if place:
+        place_chunks(REPEATED, nodes)
+    return parts(nodes)
+
+
+@pytest.mark.parametrize("run", [slice(2, 5), slice(0, 5)])
+def test_repeated_text_is_joined_whole_never_refilled(run):
+    # The splitter's offsets put a 33-character "gap" after chunk 2 (refilled with 33 newlines
+    # where the document has text), and the text match cut 23 characters between chunks 0 and 1
+    # where they share 7: 8 of the 12 copies came back.
+    texts, spans = repeated_chunks()
+    assert spans[1][0] == 12 and spans[2][0] == 15  # misplaced, as the splitter leaves them
+    pieces = stitch_chunks(texts[run], spans[run], [True] * len(texts[run]))
+    joined = "".join(p.text for p in pieces)
+    for piece in pieces:
+        if piece.start_char is not None:
+            assert REPEATED[piece.start_char : piece.end_char] == piece.text
+    assert "\n\n" not in joined  # joined whole, by one line break each, never refilled
+    for text in texts[run]:
+        assert text in joined
+    if run == slice(0, 5):
+        assert joined.count("漢字かな交じり文") >= 12  # no copy lost (overlaps may show twice)
+
+
+def test_offsets_checked_at_ingestion_are_trusted_in_repeated_text():
+    texts, spans = repeated_chunks(place=True)
+    assert [start for start, _ in spans] == [0, 28, 55, 82, 100]
+    assert suspect_offsets(texts, spans) == [True, True, True, True, False]  # unchecked
+    (piece,) = stitch_chunks(texts, spans, [True] * 5, checked=[True] * 5)
+    assert (piece.text, piece.start_char, piece.end_char) == (REPEATED, 0, len(REPEATED))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from models import load_llama
 from retrievers import FixedRetriever
 
 from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
@@ -21,12 +22,10 @@ from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
 
 @pytest.fixture
 def open_llama() -> Iterator[Callable[..., Any]]:
-    from conftest import _llama  # the top conftest's loader (one settings table for all)
-
     opened: list[Any] = []
 
     def open_(path: Path, **kwargs: Any) -> Any:
-        opened.append(_llama(path, **kwargs))
+        opened.append(load_llama(path, **kwargs))
         return opened[-1]
 
     yield open_

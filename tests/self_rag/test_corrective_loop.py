@@ -15,7 +15,7 @@ from scripted import BlockingCritic
 
 from llama_index.packs.self_rag_rse import ParagraphJudgement, RetrievalDecision, SelfRAGQueryEngine
 from llama_index.packs.self_rag_rse.critic.prompts import ENGINE_PROMPTS
-from llama_index.packs.self_rag_rse.self_rag.engine import NO_ANSWER
+from llama_index.packs.self_rag_rse.self_rag.flow import NO_ANSWER
 
 QUESTION = "Who wrote the while statement?"
 PSEUDO_DOC = "A passage about loops."
@@ -115,8 +115,14 @@ def test_rewrite_after_query2doc_then_fallback_when_every_round_fails():
     response = engine_for(critic, retriever, max_retrieval_rounds=3).query(QUESTION)
     assert retriever.queries == [QUESTION, PSEUDO_DOC, REWRITTEN]
     assert steps(response) == [
-        "decide", "retrieve", "query2doc", "retrieve", "rewrite", "retrieve", "fallback",
-    ]  # fmt: skip
+        "decide",
+        "retrieve",
+        "query2doc",
+        "retrieve",
+        "rewrite",
+        "retrieve",
+        "fallback",
+    ]
     assert response.response == "model-only answer"  # never empty
     assert response.metadata["self_rag"]["best"] is None
 
@@ -214,3 +220,58 @@ def test_never_an_empty_response():
     response = engine_for(critic, retriever, max_retrieval_rounds=1).query(QUESTION)
     assert response.response == NO_ANSWER
     assert steps(response)[-2:] == ["fallback", "no_answer"]
+
+
+def test_a_regeneration_that_repeats_the_last_one_stops_the_regenerations():
+    # A greedy critic writes the same answer from the same grounded prompt every time: the
+    # loop used to ask it max_regenerations times.
+    critic = ScriptedCritic({"gold": (0.9, 0.1, 1.0)}, regenerated={"gold": (0.9, 0.2, 1.0)})
+    retriever = RoutingRetriever({QUESTION: ["gold"]})
+    response = engine_for(critic, retriever, max_regenerations=5).query(QUESTION)
+    assert [query for query, _ in critic.judged].count(GROUNDED) == 2
+    assert steps(response)[-4:] == ["regenerate", "regenerate", "repeated", "keep_best"]
+    assert response.metadata["self_rag"]["trace"][-2] == {
+        "step": "repeated",
+        "reason": "the same answer as the attempt before: a greedy critic would write it again",
+    }
+    assert response.response == "answer from gold"
+
+
+def test_regenerations_that_differ_use_every_attempt():
+    class Sampling(ScriptedCritic):
+        def judge(self, query, paragraphs):
+            out = super().judge(query, paragraphs)
+            if query == GROUNDED:
+                out[0].answer = f"attempt {len(self.judged)}"
+            return out
+
+    critic = Sampling({"gold": (0.9, 0.1, 1.0)}, regenerated={"gold": (0.9, 0.2, 1.0)})
+    retriever = RoutingRetriever({QUESTION: ["gold"]})
+    response = engine_for(critic, retriever, max_regenerations=3).query(QUESTION)
+    assert steps(response).count("regenerate") == 3
+    assert "repeated" not in steps(response)
+
+
+def test_a_rewrite_already_searched_does_not_search_again():
+    # The rewrite prompt holds only the question: a greedy critic rewrites it the same way
+    # every round, and the loop used to search that text again and again.
+    critic = ScriptedCritic({"junk": (0.1, 0.9, 1.0), "junk2": (0.2, 0.9, 1.0)})
+    retriever = RoutingRetriever({QUESTION: ["junk"], PSEUDO_DOC: ["junk2"]})
+    response = engine_for(critic, retriever, max_retrieval_rounds=6).query(QUESTION)
+    assert retriever.queries == [QUESTION, PSEUDO_DOC, REWRITTEN]
+    assert critic.generated.count(REWRITE) == 2
+    assert steps(response) == [
+        "decide",
+        "retrieve",
+        "query2doc",
+        "retrieve",
+        "rewrite",
+        "retrieve",
+        "rewrite",
+        "repeated",
+        "fallback",
+    ]
+    assert response.metadata["self_rag"]["trace"][-2] == {
+        "step": "repeated",
+        "reason": "the text was searched already: the loop stops",
+    }

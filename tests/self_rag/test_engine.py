@@ -239,9 +239,27 @@ def test_pack_and_legacy_import_path(tiny_gguf_paths):
 
 
 def test_verbose_prints_a_table(make_engine, capsys):
-    make_engine(verbose=True).query("q")
-    out = capsys.readouterr().out
-    assert "rel" in out and "sup" in out and "p-while" in out
+    engine = make_engine(verbose=True)
+    capsys.readouterr()
+    meta = engine.query("q").metadata["self_rag"]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "Self-RAG [reflection] retrieve=True"
+    assert lines[1].split() == ["#", "node", "rel", "sup", "use", "seq", "score", "answer"]
+    # One row per judged paragraph, in judging order, the chosen one starred, with its scores.
+    rows = lines[2:5]
+    assert len(meta["paragraphs"]) == 3 and meta["best"] is not None
+    for i, (line, paragraph) in enumerate(zip(rows, meta["paragraphs"], strict=True)):
+        mark = "*" if i == meta["best"] else " "
+        assert line.startswith(f"{mark}{i:>2} {paragraph['node_id']:<10} ")
+        rel, sup, use, seq, score = line[14:].split()[:5]
+        assert rel == f"{paragraph['relevance']:.2f}" and sup == f"{paragraph['support']:.2f}"
+        assert use == f"{paragraph['utility']:+.2f}"
+        assert seq == f"{paragraph['seq_score']:.2f}"  # the reflection critic reads one
+        assert score == f"{paragraph['score']:.2f}"
+        assert line.rstrip().endswith(paragraph["answer"].replace("\n", " ")[:60].rstrip())
+    assert [line for line in lines if line.startswith("*")] == [rows[meta["best"]]]
+    # Then the trace, one step per line.
+    assert lines[5:] == [f"  trace: {entry}" for entry in meta["trace"]]
 
 
 def test_verbose_on_a_console_that_cannot_encode_the_text(make_engine, monkeypatch):

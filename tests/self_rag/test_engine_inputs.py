@@ -203,7 +203,14 @@ def test_a_postprocessor_that_keeps_nothing_is_named_in_the_trace(make_engine):
 async def test_a_postprocessor_that_keeps_nothing_under_aquery(make_engine):
     engine = make_engine(node_postprocessors=[DropAll()])
     meta = (await engine.aquery("q")).metadata["self_rag"]
-    assert any(e.get("dropped_by") == "DropAll" for e in meta["trace"])
+    retrieve = next(e for e in meta["trace"] if e["step"] == "retrieve")
+    assert retrieve["nodes"] == 0 and retrieve["retrieved"] == 3
+    assert retrieve["dropped_by"] == "DropAll"
+    reason = (
+        "DropAll kept none of the 3 retrieved nodes: best segment value 0.31 < minimum_value 0.5"
+    )
+    assert retrieve["reason"] == reason
+    assert {"step": "fallback", "reason": reason} in meta["trace"]
 
 
 class Recording(BlockingCritic):
@@ -274,6 +281,26 @@ def test_partial_reflection_vocabulary_warns_naming_the_missing_tokens(
     with pytest.warns(UserWarning, match=r"missing: \[Irrelevant\], \[Relevant\]"):
         engine = make_engine(llm=llm)
     assert engine.critic.name == "prompted"
+
+
+def test_auto_with_a_generator_llm_on_a_self_rag_model_warns_it_is_not_reflecting(
+    tiny_llm, tiny_llm_plain, make_engine, caplog
+):
+    # generator_llm= means the prompted critic, even on a model that could score with its own
+    # reflection tokens: that used to happen silently.
+    message = (
+        r"reflection tokens.*generator_llm=.*prompted critic.*drop generator_llm=.*"
+        r"critic='prompted'"
+    )
+    with pytest.warns(UserWarning, match=message):
+        engine = make_engine(llm=tiny_llm, generator_llm=tiny_llm_plain)
+    assert engine.critic.name == "prompted"
+    assert len([r for r in caplog.records if "generator_llm=" in r.getMessage()]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # Asked for by name, or a model without the tokens: nothing to say.
+        make_engine(llm=tiny_llm, generator_llm=tiny_llm_plain, critic="prompted")
+        make_engine(llm=tiny_llm_plain, generator_llm=tiny_llm)
 
 
 def test_model_without_reflection_tokens_falls_back_quietly(tiny_llm_plain, make_engine):
@@ -627,14 +654,21 @@ def test_a_paragraph_with_a_lone_surrogate_is_read_with_a_replacement_character(
     engine = make_engine(**options)
     critic = engine.critic
     judge = critic.ajudge
+    write = critic.awrite_segments
 
     async def recording(query, paragraphs):
         seen.extend(paragraphs)
         return await judge(query, paragraphs)
 
+    async def recording_segments(branches, boundary_threshold):
+        seen.extend(paragraph for _, paragraph in branches)
+        return await write(branches, boundary_threshold)
+
     critic.ajudge = recording  # type: ignore[method-assign]
+    critic.awrite_segments = recording_segments  # type: ignore[method-assign]
     response = engine.query("What does the while statement do?")
     assert str(response).strip()
     assert response.source_nodes  # the nodes themselves are returned as they came
-    if not long_form:
-        assert "caf\ufffd while \ufffd" in seen
+    # Short form judges the paragraph; long form continues a path from it.
+    assert "caf\ufffd while \ufffd" in seen
+    assert not any("\ud800" in paragraph or "\udce9" in paragraph for paragraph in seen)

@@ -5,6 +5,9 @@ streaming (sync and async), and chat, on real parts (tiny GGUF, Qdrant local mod
 from __future__ import annotations
 
 import asyncio
+import gc
+import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -171,13 +174,34 @@ def test_print_response_stream_prints_the_answer(make_engine: Any, capsys: Any) 
     assert capsys.readouterr().out.strip() == str(response).strip()
 
 
-def test_chat_over_the_engine(make_engine: Any) -> None:
+@pytest.fixture
+def chat_database() -> Iterator[Any]:
+    """A database for core's chat ``Memory``, closed when the test ends.
+
+    Core's default ``Memory`` opens an in-memory aiosqlite database of its own and never closes
+    it. When the memory is garbage collected, aiosqlite schedules the close on the event loop
+    current in the collecting thread; if that loop closes first (a test's ``asyncio.run``), the
+    connection's worker thread raises "Event loop is closed" at some later test. A database the
+    test owns is closed here instead (docs/async-streaming.md, "Chat").
+    """
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    database = create_async_engine("sqlite+aiosqlite:///:memory:")
+    yield database
+    asyncio.run(database.dispose())
+
+
+def test_chat_over_the_engine(make_engine: Any, chat_database: Any) -> None:
     from llama_index.core.chat_engine import CondenseQuestionChatEngine
     from llama_index.core.llms import MockLLM
+    from llama_index.core.memory import Memory
 
     def chat_engine(streaming: bool) -> Any:
         engine = make_engine(streaming=streaming)
-        return CondenseQuestionChatEngine.from_defaults(query_engine=engine, llm=MockLLM())
+        memory = Memory.from_defaults(async_engine=chat_database)
+        return CondenseQuestionChatEngine.from_defaults(
+            query_engine=engine, llm=MockLLM(), memory=memory
+        )
 
     def ids(nodes: Any) -> list[str]:
         return [n.node.node_id for n in nodes]
@@ -204,10 +228,46 @@ def test_chat_over_the_engine(make_engine: Any) -> None:
 
 
 def test_streamed_answers_close_cleanly_when_abandoned(
-    talkative_llm: Any, make_engine: Any
+    talkative_llm: Any, make_engine: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A chat UI that stops listening: the critic's stream is closed at once, nothing is left
+    pending (no task destroyed while pending, no coroutine never awaited), no thread is left
+    behind, and the engine answers the next query.
+    """
     engine = make_engine(llm=talkative_llm, mode="no_retrieval", streaming=True)
-    response = engine.query(QUESTION)
-    next(iter(response.response_gen))
-    response.response_gen.close()  # a chat UI that stops listening
-    assert str(engine.query(QUESTION))  # the engine still answers
+    expected = "".join(engine.query(QUESTION).response_gen)  # the threads it needs now exist
+    critic = engine.critic
+    original = critic.astream_generate
+    closed: list[bool] = []
+
+    async def watched(query: str) -> Any:
+        try:
+            async for piece in original(query):
+                yield piece
+        finally:
+            closed.append(True)
+
+    critic.astream_generate = watched  # type: ignore[method-assign]
+    threads_before = set(threading.enumerate())
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level("WARNING"):
+        warnings.simplefilter("always")
+        response = engine.query(QUESTION)
+        stream = response.response_gen
+        first = next(stream)
+        stream.close()
+        assert first and expected.startswith(first)
+        assert closed == [True]  # the critic's stream, closed with the reader's
+        with pytest.raises(StopIteration):
+            next(stream)
+        del response, stream
+        gc.collect()
+        assert "".join(engine.query(QUESTION).response_gen) == expected  # the engine still answers
+        gc.collect()
+    left_behind = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+    assert left_behind == []
+    pending = [
+        message
+        for message in [str(w.message) for w in caught] + caplog.messages
+        if "destroyed but it is pending" in message or "never awaited" in message
+    ]
+    assert pending == []

@@ -5,7 +5,10 @@ Every test here builds its own models (the conftest ones are shared by the sessi
 
 from __future__ import annotations
 
+import copy
+import gc
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -74,6 +77,17 @@ def test_query_after_the_model_was_closed_raises_a_clear_error(
         engine.critic.judge("q", ["a paragraph"])
 
 
+def test_a_closed_self_rag_model_with_a_generator_llm_raises_not_crashes(
+    tiny_gguf_paths: dict[str, Path], tiny_llm_plain: Any, open_llama: Any
+) -> None:
+    # critic="auto" with generator_llm= reads the model's vocabulary to warn that it could
+    # reflect: on a closed model that read would crash the process.
+    llm = open_llama(tiny_gguf_paths["user_defined"])
+    llm.close()
+    with pytest.raises(ModelClosedError):
+        SelfRAGQueryEngine(llm=llm, generator_llm=tiny_llm_plain, retriever=FixedRetriever())
+
+
 def test_query_after_llamacpp_model_close_raises(tiny_gguf_paths: dict[str, Path]) -> None:
     from llama_index.llms.llama_cpp import LlamaCPP
 
@@ -123,6 +137,47 @@ def test_closing_the_critic_while_a_query_runs_waits_for_it(
     assert result.get("answer") == expected, result.get("error")
     assert engine.query("What does the while statement do?").response == expected
     engine.close()
+
+
+@pytest.mark.parametrize("critic", ["reflection", "prompted"])
+def test_engines_built_per_request_on_one_model_leave_nothing_behind(
+    tiny_gguf_paths: dict[str, Path], critic: str, open_llama: Any
+) -> None:
+    # A web app that builds an engine per request on one shared Llama and drops it: each
+    # engine's decoder used to leave a callback on the model's exit stack until the model closed.
+    typing = "user_defined" if critic == "reflection" else "none"
+    llm = open_llama(tiny_gguf_paths[typing])
+    stack = llm._model._exit_stack._exit_callbacks  # llama-cpp-python's, read-only here
+
+    def serve_one_request(ask: bool) -> None:
+        engine = SelfRAGQueryEngine(
+            llm=llm, retriever=FixedRetriever(), critic=critic, mode="no_retrieval"
+        )
+        if ask:
+            assert engine.query("What does the while statement do?").response
+
+    serve_one_request(ask=True)
+    registered = len(stack)
+    for i in range(30):
+        serve_one_request(ask=i % 10 == 0)
+    gc.collect()
+    assert len(stack) == registered
+    llm.close()  # and the model still closes cleanly
+
+
+def test_pickling_an_engine_says_to_build_it_in_each_process(make_engine: Any) -> None:
+    from llama_index.core.llms import MockLLM
+
+    for engine in (make_engine(), make_engine(llm=MockLLM(), critic="prompted")):
+        with pytest.raises(
+            TypeError, match=r"SelfRAGQueryEngine cannot be pickled.*in each process"
+        ):
+            pickle.dumps(engine)
+    # A copy in the same process still works where the critic allows it.
+    prompted = make_engine(llm=MockLLM(), critic="prompted", mode="no_retrieval")
+    twin = copy.deepcopy(prompted)
+    assert twin.query("q").response == prompted.query("q").response
+    twin.close()
 
 
 # --- a script that exits without closing -------------------------------------------------------
@@ -327,7 +382,11 @@ def test_a_long_form_query_after_the_model_was_closed_raises_not_crashes(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
         [sys.executable, "-c", CLOSED_LONG_FORM_SCRIPT, str(long_form_ggufs["user_defined"])],
-        capture_output=True, text=True, env=env, timeout=300, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "raised: ModelClosedError" in done.stdout

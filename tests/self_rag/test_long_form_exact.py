@@ -23,14 +23,27 @@ import numpy as np
 import pytest
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+from models import load_llama
 
 from llama_index.packs.self_rag_rse import SelfRAGQueryEngine
 
 SPECIAL = [
-    "[No Retrieval]", "[Retrieval]", "[Continue to Use Evidence]", "[Irrelevant]", "[Relevant]",
-    "<paragraph>", "</paragraph>", "[Utility:1]", "[Utility:2]", "[Utility:3]", "[Utility:4]",
-    "[Utility:5]", "[Fully supported]", "[Partially supported]", "[No support / Contradictory]",
-]  # fmt: skip
+    "[No Retrieval]",
+    "[Retrieval]",
+    "[Continue to Use Evidence]",
+    "[Irrelevant]",
+    "[Relevant]",
+    "<paragraph>",
+    "</paragraph>",
+    "[Utility:1]",
+    "[Utility:2]",
+    "[Utility:3]",
+    "[Utility:4]",
+    "[Utility:5]",
+    "[Fully supported]",
+    "[Partially supported]",
+    "[No support / Contradictory]",
+]
 GROUNDING = ["[Fully supported]", "[Partially supported]", "[No support / Contradictory]"]
 UTILITY = [f"[Utility:{k}]" for k in range(1, 6)]
 MAX_NEW = 30
@@ -169,9 +182,17 @@ class Oracle:
             use = self.group(row_of[u], UTILITY, [-1.0, -0.5, 0.0, 0.5, 1.0])
         seq = float(np.exp(np.mean(logprobs))) if logprobs else 0.0
         seg = Seg(
-            generated, self.text(generated), node_id, stop, stop_token, rel, sup, use, seq,
+            generated,
+            self.text(generated),
+            node_id,
+            stop,
+            stop_token,
+            rel,
+            sup,
+            use,
+            seq,
             1.0 * rel + 1.0 * sup + 0.5 * use,
-        )  # fmt: skip
+        )
         self.written.append(seg)
         return seg
 
@@ -245,10 +266,9 @@ class Oracle:
 
 @pytest.fixture(scope="module", params=["user_defined", "control"])
 def models(request: pytest.FixtureRequest, long_form_ggufs: dict[str, Path]) -> Iterator[Any]:
-    from conftest import _llama
-
     path = long_form_ggufs[request.param]
-    llm, reference = _llama(path), _llama(path, logits_all=True)
+    llm = load_llama(path)
+    reference = load_llama(path, logits_all=True)
     yield llm, Oracle(reference)
     llm.close()
     reference.close()

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import _llama, reference_greedy, reference_logprobs
+from models import load_llama, reference_greedy, reference_logprobs
 from self_rag.long_form_reference import paragraph_text, reference_long_form
 
 WHILE = "The while statement repeats a suite while an expression is true."
@@ -45,14 +45,14 @@ class Recorder:
 
 @pytest.fixture(scope="module", params=["user_defined", "control"])
 def any_llm(request: pytest.FixtureRequest, long_form_ggufs: dict[str, Path]) -> Iterator[Any]:
-    llm = _llama(long_form_ggufs[request.param], logits_all=True)
+    llm = load_llama(long_form_ggufs[request.param], logits_all=True)
     yield llm
     llm.close()
 
 
 @pytest.fixture(scope="module")
 def llm(long_form_ggufs: dict[str, Path]) -> Iterator[Any]:
-    llm = _llama(long_form_ggufs["user_defined"], logits_all=True)
+    llm = load_llama(long_form_ggufs["user_defined"], logits_all=True)
     yield llm
     llm.close()
 
@@ -151,9 +151,18 @@ def test_scores_follow_the_formulas(llm: Any, weights: tuple[float, float, float
     query = "How do statements work?"
     retrieve = Recorder()
     result = reference_long_form(
-        llm, query, retrieve, beam_width=2, max_segments=3, max_new_tokens=30,
-        segment_retrieval="once", w_rel=w_rel, w_sup=w_sup, w_use=w_use, use_seqscore=use_seqscore,
-    )  # fmt: skip
+        llm,
+        query,
+        retrieve,
+        beam_width=2,
+        max_segments=3,
+        max_new_tokens=30,
+        segment_retrieval="once",
+        w_rel=w_rel,
+        w_sup=w_sup,
+        w_use=w_use,
+        use_seqscore=use_seqscore,
+    )
     texts = dict(retrieve(query))
     context = prompt(llm, query)
     stop_ids = {"boundary": [tid(llm, "[Retrieval]")], "eos": [llm.token_eos()], "length": []}
@@ -254,11 +263,17 @@ def test_no_retrieval_boundary(llm: Any) -> None:
     query, passage = "Explain loops.", PASSAGES[0]
     runs = {
         mode: reference_long_form(
-            llm, query, Recorder([passage]), mode=mode, threshold=0.0,
-            beam_width=1, max_segments=1, max_new_tokens=40,
+            llm,
+            query,
+            Recorder([passage]),
+            mode=mode,
+            threshold=0.0,
+            beam_width=1,
+            max_segments=1,
+            max_new_tokens=40,
         )["segments"][0]
         for mode in ("always_retrieve", "adaptive_retrieval")
-    }  # fmt: skip
+    }
     no_retrieval = tid(llm, "[No Retrieval]")
     whole = runs["always_retrieve"]["tokens"]
     assert no_retrieval in whole

@@ -4,7 +4,8 @@
 thread of its own (``ThreadingHTTPServer``), records how many requests it saw and how many were
 in flight at once, and stops in ``close()`` (or at the end of a ``with`` block).
 ``DripServer(answer, interval)`` sends a whole HTTP answer one byte every ``interval`` seconds:
-a server that never stalls long enough for a per-read timeout.
+a server that never stalls long enough for a per-read timeout. ``EndlessServer(head, piece)``
+sends ``head`` and then ``piece`` over and over: a body that never ends.
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from typing import Any
 
 @dataclass
 class Reply:
-    """What the stub answers: status, raw body, and a delay before answering."""
+    """What the stub answers: status, raw body, and a delay before answering; with ``pace``,
+    the body goes one line at a time, ``pace`` seconds apart (a server streaming slowly).
+    """
 
     status: int = 200
     body: bytes = b"{}"
     delay: float = 0.0
     headers: dict[str, str] = field(default_factory=dict)
+    pace: float = 0.0
 
     @classmethod
     def json(cls, value: Any, status: int = 200, delay: float = 0.0) -> Reply:
@@ -74,7 +78,12 @@ class StubServer:
                     for name, value in reply.headers.items():
                         self.send_header(name, value)
                     self.end_headers()
-                    self.wfile.write(reply.body)
+                    for line in (
+                        reply.body.splitlines(keepends=True) if reply.pace else [reply.body]
+                    ):
+                        self.wfile.write(line)
+                        self.wfile.flush()
+                        time.sleep(reply.pace)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up (a timeout test)
 
@@ -168,6 +177,59 @@ class DripServer:
         self._thread.join(timeout=5)
 
     def __enter__(self) -> DripServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EndlessServer:
+    """A raw HTTP server on 127.0.0.1 that answers every connection with ``head`` (status line
+    and headers) and then ``piece`` over and over, until the client goes away or ``close()``;
+    ``sent`` counts the bytes sent.
+    """
+
+    def __init__(self, head: bytes, piece: bytes) -> None:
+        self.head = head
+        self.piece = piece
+        self.sent = 0
+        self._stop = threading.Event()
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen()
+        self._sock.settimeout(0.1)
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._flood, args=(conn,), daemon=True).start()
+
+    def _flood(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(5)
+            try:
+                conn.recv(65536)  # the request; its content does not matter
+                conn.sendall(self.head)
+                while not self._stop.is_set():
+                    conn.sendall(self.piece)
+                    self.sent += len(self.piece)
+            except OSError:
+                return  # the client gave up
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sock.close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> EndlessServer:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -131,7 +131,7 @@ def test_a_server_not_ready_yet_is_not_taken_for_another_server(api: str, status
     # restarting server 502, a rate limiter 429. Each used to read as "not llama.cpp" or "no
     # echo": the critic settled on the text API, unverified, for good, and an engine with
     # critic="auto" quietly judged with prompts instead of reflection tokens.
-    from llama_index.packs.self_rag_rse.served.http import ServerNotReady
+    from llama_index.packs.self_rag_rse.served.errors import ServerNotReady
 
     body = {"error": {"code": status, "message": "Loading model"}}
     message = rf"answered HTTP {status} \(not ready: loading, restarting or overloaded\).*Loading"

@@ -34,7 +34,7 @@ def typing(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def local(typing: str, long_form_ggufs: dict[str, Path]) -> Iterator[ReflectionCritic]:
-    from conftest import _llama
+    from models import load_llama as _llama
 
     llm = _llama(long_form_ggufs[typing])
     critic = ReflectionCritic(llm, max_new_tokens=MAX_NEW)

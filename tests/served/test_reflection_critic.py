@@ -61,7 +61,7 @@ def talkative(talkative_gguf: Path, llama_server: Any) -> Iterator[dict[str, tup
     """Per token typing, a Llama on the talkative model and the URL of a llama-server on the same
     GGUF: the tiny model answers '' after [No Retrieval], so its served answers match trivially.
     """
-    from conftest import _llama  # the top conftest's loader (one settings table for all)
+    from models import load_llama as _llama  # the tests' loader (one settings table for all)
     from tiny_gguf import write_tiny_gguf
 
     control = write_tiny_gguf(

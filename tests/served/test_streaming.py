@@ -31,7 +31,7 @@ MAX_NEW = 40
 
 @pytest.fixture(scope="module")
 def local(talkative_gguf: Path) -> Iterator[ReflectionCritic]:
-    from conftest import _llama
+    from models import load_llama as _llama
 
     llm = _llama(talkative_gguf)
     critic = ReflectionCritic(llm, max_new_tokens=MAX_NEW)
@@ -203,6 +203,28 @@ def test_events_whose_data_spans_several_lines_read_as_one(
     with StubServer(_events_changed(upstream, split)) as proxy:
         pieces = _streamed(proxy.url, api, QUESTIONS[1])
     assert len(pieces) > 1 and "".join(pieces) == local.generate(QUESTIONS[1])
+
+
+def test_tokens_streamed_past_the_count_asked_for_are_an_error_naming_the_server(
+    server: tuple[str, str],
+) -> None:
+    # A server (or a proxy) that ignores the answer's length: 40 tokens streamed where 10 were
+    # asked for were taken as the answer, four times as long as the one asked for.
+    upstream, api = server
+
+    def longer(method: str, path: str, body: Any) -> Reply:
+        if method == "POST" and body and body.get("stream"):
+            length = "n_predict" if "n_predict" in body else "max_tokens"
+            body = {**body, length: MAX_NEW}
+        return forward(upstream, method, path, body)
+
+    with (
+        StubServer(longer) as proxy,
+        ServedReflectionCritic(proxy.url, api=api, max_new_tokens=10, timeout=30) as critic,  # type: ignore[arg-type]
+        pytest.raises(MalformedResponse, match="more than the 10 asked for") as caught,
+    ):
+        list(critic.stream_generate(QUESTIONS[0]))
+    assert proxy.url in str(caught.value)
 
 
 def test_tokens_a_native_stream_leaves_out_come_from_a_whole_completion(

@@ -28,12 +28,19 @@ if TYPE_CHECKING:  # the public names: what type checkers see, and the lazy tabl
     from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
     from llama_index.packs.self_rag_rse.pack import SelfRAGPack
     from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_INDEX_KEY, ChunkIndexer
+    from llama_index.packs.self_rag_rse.rse.events import SegmentsExtractedEvent
     from llama_index.packs.self_rag_rse.rse.plot import plot_segments
     from llama_index.packs.self_rag_rse.rse.postprocessor import RelevantSegmentPostprocessor
     from llama_index.packs.self_rag_rse.rse.segments import find_best_segments
     from llama_index.packs.self_rag_rse.rse.types import SegmentExtraction
     from llama_index.packs.self_rag_rse.rse.values import PRESETS, get_preset
     from llama_index.packs.self_rag_rse.self_rag.engine import SelfRAGQueryEngine
+    from llama_index.packs.self_rag_rse.self_rag.events import (
+        AnswerChosenEvent,
+        ParagraphJudgedEvent,
+        SegmentCitedEvent,
+        SelfRAGStepEvent,
+    )
     from llama_index.packs.self_rag_rse.served.reflection_critic import ServedReflectionCritic
 
 __getattr__, __dir__, __all__ = lazy_exports(__name__, __file__)

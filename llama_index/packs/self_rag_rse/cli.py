@@ -5,17 +5,22 @@
 ``llamaindex-cli download-llamapack`` did for other packs, by :func:`.download.download_llama_pack`.
 ``self-rag-rse evaluate --docs DIR --qa FILE.jsonl --out OUTDIR`` compares top-k, RSE and Self-RAG
 engines on your data (:mod:`.evaluation.command`).
+
+Parsing imports nothing heavy: ``--help`` and a mistyped flag answer at once, and a command
+imports what it needs once it runs (``evaluate``: llama-index-core, seconds).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from llama_index.packs.self_rag_rse.download import DISTRIBUTION, download_llama_pack, public_names
-from llama_index.packs.self_rag_rse.evaluation.command import add_evaluate_parser, run_evaluate
+from llama_index.packs.self_rag_rse.evaluation import flags
 
 PROG = "self-rag-rse"
 
@@ -51,9 +56,55 @@ identical copy or --overwrite is given.
 """
 
 
+class CommandParser(argparse.ArgumentParser):
+    """An argument parser whose errors name the closest command, choice or flag.
+
+    ``evaluat`` gets "did you mean 'evaluate'?", ``--top-kk 3`` "did you mean '--top-k'?".
+    Python 3.14's ``suggest_on_error`` covers choices only, and 3.10 has none. Its
+    subcommands' parsers are of this class too (argparse makes them of the parent's class).
+    """
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        # argparse's one check of a value against its choices (a command's name included).
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as error:
+            choices = [str(choice) for choice in action.choices or ()]
+            hint = did_you_mean([str(value)], choices)
+            raise argparse.ArgumentError(action, error.message + hint) from None
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: Any = None
+    ) -> tuple[Any, list[str]]:
+        """As argparse's, but an unknown argument is an error here, naming the closest flag.
+
+        The command takes no argument it does not know, so each (sub)command refuses them
+        itself, with its own usage, where argparse would leave them to the top parser.
+        """
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            typed = [extra.split("=", 1)[0] for extra in extras if extra.startswith("-")]
+            # argparse keeps no public list of a parser's flags.
+            hint = did_you_mean(typed, list(self._option_string_actions))
+            self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return parsed, extras
+
+
+def did_you_mean(typed: Sequence[str], known: Sequence[str]) -> str:
+    """``" (did you mean 'X'?)"``, naming the closest of ``known`` to each of ``typed`` that
+    has one close enough; ``""`` when none has.
+    """
+    close = []
+    for text in typed:
+        close += difflib.get_close_matches(text, known, n=1)
+    if not close:
+        return ""
+    return f" (did you mean {', '.join(map(repr, close))}?)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``self-rag-rse`` command."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog=PROG, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -94,33 +145,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="also satisfy this optional-dependency group of the pack (repeatable), "
         "e.g. --extra llama-cpp",
     )
-    for flag, text in (
-        (
-            "--overwrite",
-            "replace the pack's files in a non-empty DIR: its package folder whole (files you "
-            "added there go too), the project files one by one (other files are kept)",
-        ),
-        (
-            "--use-existing",
-            "if DIR already holds a copy, use it as it is (core's refresh_cache=False)",
-        ),
-        ("--no-install", "install nothing; print the pip command for missing requirements"),
-    ):
-        download.add_argument(flag, action="store_true", help=text)
+    download.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the pack's files in a non-empty DIR: its package folder whole (files you "
+        "added there go too), the project files one by one (other files are kept)",
+    )
+    download.add_argument(
+        "--use-existing",
+        action="store_true",
+        help="if DIR already holds a copy, use it as it is (core's refresh_cache=False)",
+    )
+    download.add_argument(
+        "--no-install",
+        action="store_true",
+        help="install nothing; print the pip command for missing requirements",
+    )
     commands.add_parser("list", help="list the names download-llamapack accepts")
-    add_evaluate_parser(commands)
+    flags.add_evaluate_parser(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status (0 on success, 1 on a reported error)."""
+    """Run the command line; return the exit status (0 on success, 1 on a reported error;
+    argparse exits with 2 on a usage error, ``evaluate`` returns 130 on Ctrl-C).
+    """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.command == "list":
         print("\n".join(public_names()))
         return 0
     if args.command == "evaluate":
-        return run_evaluate(args, argv)
+        return flags.run(args, argv)
     try:
         found = download_llama_pack(
             args.llama_pack_class,
@@ -142,7 +198,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"               or: PYTHONPATH={args.download_dir} python your_app.py"
     )
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -118,7 +118,9 @@ def download_llama_pack(
             left as it is.
         overwrite: A non-empty ``download_dir`` that is not an identical copy is never written
             to unless this is ``True``; then the previous copy's package folder is removed and the
-            project files are replaced (other files in the folder are kept).
+            project files are replaced (other files in the folder are kept). Every file is
+            written anew and renamed into place, never written into: a hard link to an old file
+            (a ``cp -al`` backup) keeps its content.
         install_requirements: Core pip-installs the pack's requirements. Here only the
             requirements of the copy (plus ``extras``) that the running environment does not
             satisfy are installed, with ``python -m pip install <requirement>...`` (your pip
@@ -249,18 +251,13 @@ def copy_pack(
         if not changed:
             logger.info("%s already holds an identical copy of the pack", dest)
             return False
-        shown = ", ".join(changed[:5]) + (
-            f" and {len(changed) - 5} more" if len(changed) > 5 else ""
-        )
-        reuse = (
-            ", pass refresh_cache=False (CLI: --use-existing) to use the copy there as it is"
-            if has_copy
-            else ""
-        )
+        more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        reuse = ", pass refresh_cache=False (CLI: --use-existing) to use the copy there as it is"
         raise FileExistsError(
             f"download_dir {dest} is not empty (it holds {', '.join(existing[:5])}"
-            f"{' ...' if len(existing) > 5 else ''}) and copying would change {shown}; "
-            f"nothing was written. Pick a new or empty folder{reuse}, or pass overwrite=True "
+            f"{' ...' if len(existing) > 5 else ''}) and copying would change "
+            f"{', '.join(changed[:5])}{more}; nothing was written. Pick a new or empty "
+            f"folder{reuse if has_copy else ''}, or pass overwrite=True "
             f"(CLI: --overwrite) to replace the pack's files there: {PACKAGE_PATH.as_posix()}/ "
             "whole (files you added in it go too); other files are kept."
         )
@@ -282,7 +279,7 @@ def copy_pack(
     try:
         for rel, src in plan.items():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dest / rel)
+            _replace_file(src, dest / rel)
     except OSError:
         if not existing:  # leave no half copy behind in a folder we created or found empty
             for child in dest.iterdir():
@@ -335,7 +332,8 @@ def missing_requirements(pyproject: Path, extras: Sequence[str] = ()) -> list[st
             f"valid extras: {', '.join(sorted(groups))}"
         )
     requirements = list(project.get("dependencies", []))
-    pending, seen = list(extras), set()
+    pending = list(extras)
+    seen: set[str] = set()
     while pending:  # ``all = ["<this distribution>[a,b]"]`` names other extras: expand them
         extra = pending.pop()
         if extra in seen:
@@ -395,6 +393,21 @@ def _belongs_to_pack(root: Path) -> bool:
     return bool(canonicalize_name(name) == canonicalize_name(DISTRIBUTION))
 
 
+def _replace_file(src: Path, target: Path) -> None:
+    """Copy ``src`` to ``target`` as a new file, renamed over the old one.
+
+    Copying into the old file would write through every hard link to it: a ``cp -al`` backup
+    of the folder, outside it, would change too. A file renamed into place leaves the old one,
+    and its other names, as they were.
+    """
+    partial = target.with_name(f".{target.name}.partial")
+    try:
+        shutil.copyfile(src, partial)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def _refuse_symlinks(dest: Path, plan: dict[Path, Path]) -> None:
     """Raise when a symbolic link inside ``dest`` lies on the way to a file of the copy.
 
@@ -434,6 +447,7 @@ def install_missing_requirements(
     if not missing:
         return missing
     command = [sys.executable, "-m", "pip", "install", *missing]
+    # Quoted where a shell would read the part otherwise (a requirement with ">" or "[").
     shown = " ".join(part if re.fullmatch(r"[\w./=-]+", part) else f'"{part}"' for part in command)
     if not install:
         logger.warning("The pack needs requirements this environment lacks; run: %s", shown)

@@ -42,7 +42,9 @@ class SelfRAGPack(BaseLlamaPack):
         verbose: bool = False,
         **kwargs: Any,
     ) -> None:
-        self.query_engine = SelfRAGQueryEngine(model_path, retriever, verbose, **kwargs)
+        self.query_engine = SelfRAGQueryEngine(
+            model_path=model_path, retriever=retriever, verbose=verbose, **kwargs
+        )
         self.retriever = retriever
         self.verbose = verbose
 

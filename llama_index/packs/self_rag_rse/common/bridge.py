@@ -121,24 +121,42 @@ def iterate_sync(stream: AsyncIterator[T]) -> Iterator[T]:
     finally:
         # A stream left unread until the interpreter exits: the loop's thread is frozen by then.
         if (close := getattr(stream, "aclose", None)) is not None and not sys.is_finalizing():
-            if threading.current_thread() is _LOOP._thread:  # collected on the loop's own thread
-                (task := asyncio.ensure_future(close())).add_done_callback(_LOOP.closing.discard)
-                _LOOP.closing.add(task)  # held until done: a loop keeps weak references only
+            if threading.current_thread() is _LOOP._thread:
+                # Collected on the loop's own thread, which cannot wait for itself: the close is
+                # scheduled there, and held until done (a loop keeps weak references only).
+                task = asyncio.ensure_future(close())
+                task.add_done_callback(_LOOP.closing.discard)
+                _LOOP.closing.add(task)
             else:
                 run_sync(close())
 
 
-#: Blocking retrievals, postprocessors and store reads. Not the loop's default pool (the CPU
-#: count + 4 threads): a retriever that queries an engine synchronously (``RecursiveRetriever``
-#: routing to one) waits there for a thread the retrievals around it hold, for ever. Threads are
-#: made as needed and reused, with no practical cap, as core's engines run these in each caller's.
-_BLOCKING = concurrent.futures.ThreadPoolExecutor(10_000, "self-rag-rse-blocking")
-
-
 async def run_blocking(func: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
-    """``func(*args, **kwargs)`` (a blocking retriever or store read) on :data:`_BLOCKING`."""
+    """``func(*args, **kwargs)`` (a blocking retriever, postprocessor or store read) on a
+    thread of its own, which ends with the call.
+
+    Not the loop's default pool (the CPU count + 4 threads): a retriever that queries an engine
+    synchronously (``RecursiveRetriever`` routing to one) waits there for a thread the
+    retrievals around it hold, for ever. A thread per call, as core's engines run these in each
+    caller's: no cap, and nothing left once a burst is over (a pool kept its peak thread count
+    for the life of the process). A daemon thread: a call nobody waits for any more does not
+    hold up the interpreter's exit.
+    """
     call = functools.partial(contextvars.copy_context().run, func, *args, **kwargs)
-    return await asyncio.get_running_loop().run_in_executor(_BLOCKING, call)
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+    threading.Thread(
+        target=_complete, args=(future, call), name="self-rag-rse-blocking", daemon=True
+    ).start()
+    return await asyncio.wrap_future(future)
+
+
+def _complete(future: concurrent.futures.Future[T], call: Callable[[], T]) -> None:
+    """Run ``call`` for ``future``, unless its caller gave up before it started."""
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(call())
+        except BaseException as error:  # as concurrent.futures does: the caller gets it
+            future.set_exception(error)
 
 
 class SerialWorker:
@@ -168,7 +186,7 @@ class SerialWorker:
     def close(self) -> None:
         """Wait for the running call, then stop the thread (a later ``run`` starts a new one)."""
         with self._lock:
-            executor, self._executor = self._executor, None
+            executor, self._executor = self._executor, None  # taken and cleared together
         if executor is not None:
             # From the worker thread itself (a call that closes its own critic) waiting would
             # deadlock: the running call is the one asking.

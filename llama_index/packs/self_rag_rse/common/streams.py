@@ -24,11 +24,11 @@ def unsent_rest(emitted: str, final: str) -> str:
 def stripped(pieces: Iterable[str], final: Callable[[str], str]) -> Generator[str, None, None]:
     """``pieces`` with the answer's outer whitespace held back, so that they join to the
     stripped answer (what a non-streamed response holds); an all-whitespace answer becomes
-    ``final("")`` (the engine's no-answer text), a piece that is no text ``final(piece)``.
+    ``final("")`` (the engine's no-answer text).
     """
     holder = Stripper()
     for piece in pieces:
-        if text := holder.feed(piece if isinstance(piece, str) else final(piece)):
+        if text := holder.feed(piece):
             yield text
     if holder.empty:
         yield final("")
@@ -40,7 +40,7 @@ async def astripped(
     """Async :func:`stripped`."""
     holder = Stripper()
     async for piece in pieces:
-        if text := holder.feed(piece if isinstance(piece, str) else final(piece)):
+        if text := holder.feed(piece):
             yield text
     if holder.empty:
         yield final("")
@@ -56,6 +56,7 @@ class Stripper:
         self._pending = ""
 
     def feed(self, piece: str) -> str:
+        """The text of ``piece`` that can be given now ("" while only whitespace came)."""
         if self.empty:
             piece = piece.lstrip()
             if not piece:

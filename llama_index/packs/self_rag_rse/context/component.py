@@ -1,5 +1,6 @@
 """What the two ingestion components share: where each goes in a pipeline, a cache of LLM
-results, and the cost of their last run.
+results, the call itself (async, run from sync code through the package's bridge), the cost
+of their last run, and their rebuilding from ``to_dict`` (a saved pipeline read back).
 
 :class:`~.sectioner.DocumentSectioner` takes the splitter's place (documents in, chunks out) and
 :class:`~.headers.ContextualHeaders` comes after it (chunks in). Put in the wrong place, each
@@ -13,16 +14,24 @@ naming the document it was cut from (``node.ref_doc_id``), while a reader's ``Do
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
-from llama_index.core.bridge.pydantic import PrivateAttr
+from llama_index.core import node_parser
+from llama_index.core.bridge.pydantic import PrivateAttr, model_validator
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import BaseNode, Document, TransformComponent
 
+from llama_index.packs.self_rag_rse.common.bridge import run_sync
 from llama_index.packs.self_rag_rse.common.options import pydantic_fields, reject_unknown
 from llama_index.packs.self_rag_rse.context.cache import ContextCache
+
+dispatcher = get_dispatcher(__name__)
 
 
 @dataclass
@@ -44,7 +53,9 @@ class ContextUsage:
 
 class ContextComponent(TransformComponent):
     """Base of :class:`~.headers.ContextualHeaders` and :class:`~.sectioner.DocumentSectioner`:
-    options checked at construction (unknown ones raise), a cache, the last run's usage.
+    options checked at construction (unknown ones raise), a cache, the last run's usage, and the
+    call (``__call__`` runs ``acall`` through the package's bridge; ``acall`` times the
+    component's own ``_transform``).
     """
 
     #: Options that must be at least the given number.
@@ -59,7 +70,10 @@ class ContextComponent(TransformComponent):
         super().__init__(**kwargs)
         for option, low in self._minimums.items():
             if (value := getattr(self, option)) < low:
-                raise ValueError(f"{name}: {option} must be at least {low}, got {value}")
+                raise ValueError(
+                    f"{name}: {option} must be at least {low}, got {value}: pass {option}={low} "
+                    "or more"
+                )
         self._check_options()
         self._cache = ContextCache.coerce(cache)
 
@@ -70,8 +84,50 @@ class ContextComponent(TransformComponent):
         if "_cache" in (private := state.get("__pydantic_private__") or {}):
             self._cache = private["_cache"]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _rebuild_parts(cls, data: Any) -> Any:
+        """Parts given in the form :meth:`to_dict` writes them (a saved pipeline read back): a
+        prompt or a splitter is rebuilt from its dict; an LLM cannot be, and is asked for.
+        """
+        if not isinstance(data, dict):
+            return data
+        return {
+            name: _part_from_dict(cls.__name__, name, value) if isinstance(value, dict) else value
+            for name, value in data.items()
+        }
+
+    def to_dict(self, **kwargs: Any) -> dict[str, Any]:
+        """The options, and the cache's folder when it has one, as ``from_dict`` reads them."""
+        data = super().to_dict(**kwargs)
+        if self._cache.persist_path is not None:
+            data["cache"] = str(Path(self._cache.persist_path).parent)
+        return data
+
     def _check_options(self) -> None:
         """Raise ``ValueError`` for options that do not fit together."""
+
+    # -- TransformComponent -------------------------------------------------------------------
+    @dispatcher.span
+    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        """Transform ``nodes`` (see the class); LLM calls, if any, go through the package's
+        bridge. ``show_progress=True`` (as a pipeline passes it) shows their progress.
+        """
+        return run_sync(self.acall(nodes, **kwargs))
+
+    @dispatcher.span
+    async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        """Async :meth:`__call__`; the time it took is kept in :attr:`usage`."""
+        started = time.perf_counter()
+        result = await self._transform(nodes, bool(kwargs.get("show_progress", False)))
+        self._usage.seconds = time.perf_counter() - started
+        return result
+
+    async def _transform(
+        self, nodes: Sequence[BaseNode], show_progress: bool
+    ) -> Sequence[BaseNode]:
+        """What one call does; it starts :attr:`usage` afresh."""
+        raise NotImplementedError
 
     @classmethod
     def class_name(cls) -> str:
@@ -87,6 +143,33 @@ class ContextComponent(TransformComponent):
     def cache(self) -> ContextCache:
         """The per-document cache of LLM results (titles, summaries, sectionings)."""
         return self._cache
+
+
+def _part_from_dict(owner: str, name: str, data: dict[str, Any]) -> Any:
+    """The prompt (a ``PromptTemplate``) or splitter (a core node parser) option ``name`` that
+    ``data`` (its ``to_dict``) describes; for anything else (an LLM, a chat prompt, a splitter
+    of another package, or with an ``id_func`` of its own), ``ValueError`` naming the fix.
+    """
+    if "template" in data:
+        return PromptTemplate.model_construct(**data)
+    splitter = getattr(node_parser, str(data.get("class_name")), None)
+    if (
+        name == "splitter"
+        and isinstance(splitter, type)
+        and issubclass(splitter, TransformComponent)
+    ):
+        # A function does not serialise (to_dict writes its name): the splitter is rebuilt with
+        # the default id_func, and kept only if that is the one it had.
+        options = {
+            key: value for key, value in data.items() if key not in ("class_name", "id_func")
+        }
+        rebuilt = splitter(**options)
+        if rebuilt.to_dict() == data:
+            return rebuilt
+    raise ValueError(
+        f"{owner}: {name} is a {data.get('class_name', 'part')} written as a dict, which cannot "
+        f"be rebuilt from it: pass it to from_dict, {owner}.from_dict(data, {name}=...)"
+    )
 
 
 #: The pipeline both messages show.
@@ -124,8 +207,7 @@ def check_chunks(component: str, nodes: Sequence[BaseNode]) -> None:
     """Raise ``ValueError`` if any of ``nodes`` is a whole ``Document`` (the splitter or the
     sectioner has not run yet).
     """
-    documents = [node for node in nodes if isinstance(node, Document) and source_of(node) is None]
-    if documents:
+    if documents := [n for n in nodes if isinstance(n, Document) and source_of(n) is None]:
         raise ValueError(
             f"{component} got {len(documents)} whole document(s) (e.g. {documents[0].node_id!r}, "
             "a Document with no source document): it writes each chunk's header from its "

@@ -51,7 +51,8 @@ def compose_segment_header(
     """
     named = dict.fromkeys(section_label(path) for path in sections)  # in order, once each
     labels = [label for label in named if label and label != (title or "")]
-    lines = [document] if (document := compose_header(title, summary)) else []
+    document = compose_header(title, summary)
+    lines = [document] if document else []
     if len(labels) == 1:
         lines.append(f"Section: {labels[0]}")
     elif labels:
@@ -65,4 +66,5 @@ def _line(kind: str, title: str | None, summary: str | None) -> str:
     head = f"{kind}: {title}" if title else f"{kind}:"
     if not summary:
         return head
-    return head + (" " if not title or title.rstrip()[-1:] in ".!?:" else ". ") + summary.strip()
+    joiner = " " if not title or title.rstrip()[-1:] in ".!?:" else ". "  # no second full stop
+    return head + joiner + summary.strip()

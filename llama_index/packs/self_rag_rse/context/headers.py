@@ -16,19 +16,16 @@ excluded from the LLM text). RSE segments carry the header once, before the segm
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Awaitable, Sequence
 from pathlib import PurePath
 from typing import Any, ClassVar, Literal
 
 from llama_index.core.async_utils import run_jobs
 from llama_index.core.bridge.pydantic import Field, SerializeAsAny
-from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.llms import LLM
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import BaseNode, MetadataMode
 
-from llama_index.packs.self_rag_rse.common.bridge import run_sync
 from llama_index.packs.self_rag_rse.context.cache import ContextCache, model_id
 from llama_index.packs.self_rag_rse.context.component import (
     ContextComponent,
@@ -50,8 +47,6 @@ from llama_index.packs.self_rag_rse.context.prompts import (
     DOCUMENT_TITLE_PROMPT,
     SECTION_SUMMARY_PROMPT,
 )
-
-dispatcher = get_dispatcher(__name__)
 
 TitleSource = Literal["metadata", "heading", "llm", "file_name"]
 #: Longest title and summary kept from an LLM answer.
@@ -139,18 +134,11 @@ class ContextualHeaders(ContextComponent):
         if self.title_sources is not None and not self.title_sources:
             raise ValueError(f"{name}: title_sources is empty: name at least one source")
 
-    # -- TransformComponent -------------------------------------------------------------------
-    @dispatcher.span
-    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
-        """Write the header of every node (LLM calls, if any, through the package's bridge)."""
-        return run_sync(self.acall(nodes, **kwargs))
-
-    @dispatcher.span
-    async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
-        """Async :meth:`__call__`."""
+    async def _transform(
+        self, nodes: Sequence[BaseNode], show_progress: bool
+    ) -> Sequence[BaseNode]:
+        """Write the header of every node."""
         check_chunks(type(self).__name__, nodes)
-        started = time.perf_counter()
-        show_progress = bool(kwargs.get("show_progress", False))
         documents = _by_document(nodes)
         self._usage = ContextUsage(documents=len(documents))
         titles = {doc: self._given_title(members) for doc, members in documents.items()}
@@ -185,7 +173,6 @@ class ContextualHeaders(ContextComponent):
                     summaries.get((doc, None)),
                     summaries.get((doc, _section_of(node))),
                 )
-        self._usage.seconds = time.perf_counter() - started
         return nodes
 
     # -- titles and summaries -------------------------------------------------------------------
@@ -321,7 +308,8 @@ def _file_title(members: list[BaseNode]) -> str:
 
 def _first_line(answer: str, limit: int) -> str:
     marks = " \"'`*#"  # quotes and Markdown emphasis a chat model puts around its answer
-    lines = [t for line in str(answer).splitlines() if (t := " ".join(line.split()).strip(marks))]
+    cleaned = [" ".join(line.split()).strip(marks) for line in str(answer).splitlines()]
+    lines = [text for text in cleaned if text]
     for at, text in enumerate(lines):
         label, colon, rest = text.partition(":")
         if colon and label.strip(marks).lower() in ("title", "summary"):  # **Title:** Herons

@@ -123,6 +123,7 @@ def _is_document_title(index: LineIndex, headings: list[Heading]) -> bool:
     first = headings[0]
     if any(not index.is_blank(i) for i in range(first.first_line)):
         return False
+    # The first heading is the only one of its kind at its level or above.
     return len([h for h in headings if h.level <= first.level and h.kind == first.kind]) == 1
 
 
@@ -137,7 +138,7 @@ def _opens_block(index: LineIndex, line: int) -> bool:
 
 def _is_underlined(index: LineIndex, i: int) -> bool:
     """Whether line ``i`` is a title and line ``i + 1`` its underline."""
-    title, under = index.lines[i], index.lines[i + 1]
+    title, under = index.lines[i : i + 2]
     match = _ADORNMENT.match(under)
     if not match or not _is_title(title) or title[0].isspace() or _ADORNMENT.match(title):
         return False

@@ -1,6 +1,7 @@
 """Metadata keys written by the context components, in one place, and a reader of the section path.
 
-The sectioner writes the ``section_*`` keys and ``document_heading`` on every chunk; the header
+The sectioner writes the ``section_*`` keys and ``document_heading`` on every chunk (and
+``chunk_offsets_checked`` where it placed a section's chunks in its text); the header
 component writes ``document_title``, the summaries and ``context_header``; RSE's segment nodes get
 ``segment_header``. All but the two headers are hidden from the embedded and the LLM text: the
 headers are how that context reaches the embedding model (per chunk) and the answer LLM (once per
@@ -34,6 +35,9 @@ SECTION_SUMMARY_KEY = "section_summary"
 HEADER_KEY = "context_header"
 #: The header of an RSE segment: shown to the answer LLM once, before the segment text.
 SEGMENT_HEADER_KEY = "segment_header"
+#: ``True`` on a chunk whose offsets were found again in its document's text (see
+#: :mod:`~.placement`): RSE trusts them even where the text repeats.
+OFFSETS_CHECKED_KEY = "chunk_offsets_checked"
 
 #: Keys the sectioner writes.
 SECTION_KEYS = (
@@ -43,6 +47,7 @@ SECTION_KEYS = (
     SECTION_INDEX_KEY,
     SECTION_SOURCE_KEY,
     DOCUMENT_HEADING_KEY,
+    OFFSETS_CHECKED_KEY,
 )
 
 

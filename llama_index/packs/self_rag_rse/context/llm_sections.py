@@ -88,7 +88,8 @@ async def llm_section_starts(
                 )
                 if not isinstance(answer, SectionPartition):
                     raise PartitionError(
-                        f"{where}: expected a SectionPartition, got {type(answer).__name__}"
+                        f"{where}: the LLM's structured answer was a {type(answer).__name__}, not "
+                        "a SectionPartition"
                     )
                 proposed = [(s.title, s.start_line, s.end_line) for s in answer.sections]
                 repaired = repair_partition(

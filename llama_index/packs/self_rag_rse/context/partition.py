@@ -91,13 +91,16 @@ def repair_partition(
     ordered = sorted(inside, key=lambda span: span[1])
     if [s for _, s, _ in ordered] != [s for _, s, _ in inside]:
         repairs.append("sorted sections by first line")
+    # Of several sections starting on one line, the first wins.
     unique = [span for k, span in enumerate(ordered) if k == 0 or ordered[k - 1][1] != span[1]]
     if len(unique) < len(ordered):
         repairs.append(f"dropped {len(ordered) - len(unique)} duplicate first line(s)")
     if unique[0][1] != first:
         repairs.append(f"moved the first section's start from line {unique[0][1]} to {first}")
         unique[0] = (unique[0][0], first, unique[0][2])
-    if [e for _, _, e in unique] != [s - 1 for _, s, _ in unique[1:]] + [last]:  # claimed, exact
+    claimed_ends = [e for _, _, e in unique]
+    exact_ends = [s - 1 for _, s, _ in unique[1:]] + [last]  # each ends where the next begins
+    if claimed_ends != exact_ends:
         repairs.append("made each section end where the next begins (overlaps or gaps)")
     starts = [SectionStart(s, _clean_title(t, index, s), ()) for t, s, _ in unique]
     return RepairedPartition(_merge_short(starts, index, last, min_lines, where, repairs), repairs)

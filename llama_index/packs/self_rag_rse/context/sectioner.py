@@ -13,15 +13,12 @@ hidden from the embedded and the LLM text; :class:`ContextualHeaders` turns them
 from __future__ import annotations
 
 import logging
-import re
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from llama_index.core.async_utils import run_jobs
 from llama_index.core.bridge.pydantic import Field, SerializeAsAny
-from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.llms import LLM
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.prompts import BasePromptTemplate
@@ -34,7 +31,6 @@ from llama_index.core.schema import (
     TransformComponent,
 )
 
-from llama_index.packs.self_rag_rse.common.bridge import run_sync
 from llama_index.packs.self_rag_rse.context.cache import ContextCache, model_id
 from llama_index.packs.self_rag_rse.context.component import (
     ContextComponent,
@@ -52,6 +48,7 @@ from llama_index.packs.self_rag_rse.context.keys import (
     SECTION_TITLE_KEY,
 )
 from llama_index.packs.self_rag_rse.context.llm_sections import llm_section_starts
+from llama_index.packs.self_rag_rse.context.placement import place_chunks
 from llama_index.packs.self_rag_rse.context.prompts import SECTIONING_PROMPT
 from llama_index.packs.self_rag_rse.context.sections import (
     LineIndex,
@@ -61,7 +58,6 @@ from llama_index.packs.self_rag_rse.context.sections import (
 )
 
 logger = logging.getLogger(__name__)
-dispatcher = get_dispatcher(__name__)
 
 
 @dataclass
@@ -161,22 +157,16 @@ class DocumentSectioner(ContextComponent):
                 "or use strategy='headings' (offline)"
             )
 
-    # -- TransformComponent -----------------------------------------------------------------
-    @dispatcher.span
-    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
-        """Documents in, section-bounded chunks out."""
-        return run_sync(self.acall(nodes, **kwargs))
-
-    @dispatcher.span
-    async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
-        """Async :meth:`__call__`: LLM calls for several documents run concurrently."""
+    async def _transform(
+        self, nodes: Sequence[BaseNode], show_progress: bool
+    ) -> Sequence[BaseNode]:
+        """Documents in, section-bounded chunks out; LLM calls for several documents run
+        concurrently.
+        """
         check_documents(type(self).__name__, nodes)
-        started = time.perf_counter()
         self._usage = ContextUsage(documents=len(nodes))
-        show_progress = bool(kwargs.get("show_progress", False))
         if self.strategy == "headings":
-            texts = [node.get_content(metadata_mode=MetadataMode.NONE) for node in nodes]
-            plans = [_Plan(*self.sections(text), "headings") for text in texts]
+            plans = [self._heading_plan(node) for node in nodes]
         else:
             jobs = [self._llm_plan(node) for node in nodes]
             try:
@@ -193,11 +183,13 @@ class DocumentSectioner(ContextComponent):
                     len(rejected),
                     rejected[0],
                 )
-        chunks = self._chunk(nodes, plans, show_progress)
-        self._usage.seconds = time.perf_counter() - started
-        return chunks
+        return self._chunk(nodes, plans, show_progress)
 
     # -- sectioning ---------------------------------------------------------------------------
+    def _heading_plan(self, node: BaseNode) -> _Plan:
+        sections, heading = self.sections(node.get_content(metadata_mode=MetadataMode.NONE))
+        return _Plan(sections, heading, "headings")
+
     def sections(self, text: str) -> tuple[list[Section], str | None]:
         """The sections of ``text`` by its headings, and its title heading (no LLM)."""
         return heading_sections(text, numbered=self.numbered_headings)
@@ -296,12 +288,10 @@ class DocumentSectioner(ContextComponent):
             document, section, k, plan = owner[source_id]
             self._place(chunk, document, section, k, plan)
             by_document.setdefault(document.node_id, []).append(chunk)
-        out: list[BaseNode] = []
-        for members in by_document.values():
-            if link:
+        if link:
+            for members in by_document.values():
                 _relink(members)
-            out.extend(members)
-        return out
+        return [chunk for members in by_document.values() for chunk in members]
 
     def _place(
         self, chunk: BaseNode, document: BaseNode, section: Section, k: int, plan: _Plan
@@ -319,38 +309,17 @@ class DocumentSectioner(ContextComponent):
         chunk.excluded_llm_metadata_keys = _hide(chunk.excluded_llm_metadata_keys)
 
 
-_NON_SPACE = re.compile(r"\S")
-
-
 def _repair_offsets(chunks: Sequence[BaseNode], texts: dict[str, str]) -> None:
-    """Put each chunk at the copy of its text that continues the chunks before it.
-
-    LlamaIndex splitters find a chunk's offsets by searching its text, so text repeated within
-    a few chunks ("end. end.", a line of "~~~~") can place a chunk at an earlier copy, or leave
-    it without offsets, while the copy it really holds is covered by no chunk. A splitter covers
-    every character that is not whitespace, in order: each chunk holds the first character the
-    chunks before it left out. So each chunk goes to the copy of its text that holds that
-    character and reaches furthest; with no repeated text that is the splitter's own offset. A
-    chunk no copy of which holds it (a token splitter's chunk repeating the previous one's tail,
-    say) keeps the offsets the splitter gave it.
+    """Put each section's chunks at their own copies of their text and mark them checked
+    (:func:`~.placement.place_chunks`: splitters place a chunk by searching its text, which can
+    land on an earlier copy of repeated text).
     """
-    by_piece: dict[str, list[TextNode]] = {}
+    by_piece: dict[str, list[BaseNode]] = {}
     for chunk in chunks:
-        if isinstance(chunk, TextNode) and chunk.ref_doc_id in texts:
+        if chunk.ref_doc_id in texts:
             by_piece.setdefault(chunk.ref_doc_id, []).append(chunk)
     for piece, members in by_piece.items():
-        text = texts[piece]
-        covered = 0  # the chunks placed so far hold all text before this position
-        for chunk in members:
-            left_out = _NON_SPACE.search(text, covered)  # the first character left out
-            size = len(chunk.text)
-            if left_out is not None and size:
-                first = left_out.start()
-                found = text.rfind(chunk.text, max(0, first - size + 1), first + size)
-                if found >= 0:
-                    chunk.start_char_idx, chunk.end_char_idx = found, found + size
-            if chunk.end_char_idx is not None:
-                covered = max(covered, chunk.end_char_idx)
+        place_chunks(texts[piece], members)
 
 
 def _structural_starts(structural: list[Section], first: int, last: int) -> list[SectionStart]:

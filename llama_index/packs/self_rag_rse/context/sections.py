@@ -43,7 +43,8 @@ class LineIndex:
     """A text's lines (ended by ``\\n``, or by a ``\\r`` not before one) and where each starts."""
 
     def __init__(self, text: str) -> None:
-        self.text, self.lines = text, re.split(r"\n|\r(?!\n)", text)
+        self.text = text
+        self.lines = re.split(r"\n|\r(?!\n)", text)
         self.starts = [0, *itertools.accumulate(len(line) + 1 for line in self.lines[:-1])]
 
     def __len__(self) -> int:

@@ -171,10 +171,9 @@ class CriticBackend(ABC):
         Backends that can share work between the two (llama.cpp evaluates each paragraph once
         for both) override this; the default runs both together.
         """
-        answers, labels = await asyncio.gather(
+        return await asyncio.gather(
             self.generate(answer_template, values), self.score(scale, label_template, values)
         )
-        return answers, labels
 
     async def judge_paragraphs(
         self,
@@ -191,12 +190,13 @@ class CriticBackend(ABC):
         each paragraph once for all four questions) override this; the default asks
         :meth:`generate_and_score` and :meth:`score`.
         """
-        if not paragraphs:
-            return []
         values = [prompt_values(query, text) for text in paragraphs]
         if generator is None or generator is self:
             answers, relevance = await self.generate_and_score(
-                prompts.answer, RELEVANCE_SCALE, prompts.relevance, values
+                answer_template=prompts.answer,
+                scale=RELEVANCE_SCALE,
+                label_template=prompts.relevance,
+                values=values,
             )
         else:
             answers, relevance = await asyncio.gather(
@@ -225,7 +225,3 @@ class CriticBackend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Free what the backend holds (never the model it was given)."""
-
-    def describe(self) -> dict[str, Any]:
-        """A few facts for traces (model kind, prompt format)."""
-        return {"backend": type(self).__name__, "prompt_format": self.prompt_format}

@@ -126,7 +126,10 @@ class BaseCritic(PromptMixin, ABC):
 
     async def astart_path(self, query: str) -> tuple[Any, ...]:
         """The context a long-form answer to ``query`` starts from (the prompt's tokens)."""
-        raise NotImplementedError(f"the {self.name} critic cannot write long-form answers")
+        raise NotImplementedError(
+            f"the {self.name} critic cannot write long-form answers: long form needs a "
+            "Self-RAG model's reflection critic; use the short form (long_form=False)"
+        )
 
     async def awrite_segments(
         self, branches: Sequence[tuple[tuple[Any, ...], str]], boundary_threshold: float | None
@@ -138,7 +141,10 @@ class BaseCritic(PromptMixin, ABC):
         ``boundary_threshold``: a generated ``[No Retrieval]`` is a boundary too where
         p([Retrieval]) / (p([Retrieval]) + p([No Retrieval])) exceeds it (``None``: never).
         """
-        raise NotImplementedError(f"the {self.name} critic cannot write long-form answers")
+        raise NotImplementedError(
+            f"the {self.name} critic cannot write long-form answers: long form needs a "
+            "Self-RAG model's reflection critic; use the short form (long_form=False)"
+        )
 
     def decide_retrieval(
         self, query: str, threshold: float | None, answer_if_skipped: bool = True
@@ -184,10 +190,19 @@ class BaseCritic(PromptMixin, ABC):
 def astream(critic: BaseCritic, query: str) -> AsyncIterator[str]:
     """``critic.astream_generate(query)``, or a ``TypeError`` naming the critic where that is no
     async generator (a plain ``def`` with ``yield``, an ``async def`` that returns).
+
+    The one check of that method: :meth:`BaseCritic.stream_generate` reads the stream through
+    it, and so does the engine's checked critic (:mod:`.checked`), which also checks each piece.
     """
     stream = critic.astream_generate(query)
     if not hasattr(stream, "__anext__"):
-        getattr(stream, "close", lambda: None)()  # an un-awaited coroutine would warn
-        raise TypeError(f"{type(critic).__name__}.astream_generate must be an async generator "
-                        f"(async def with yield), got {type(stream).__name__}")  # fmt: skip
+        # A coroutine that is never awaited warns when it is collected: close it first.
+        close = getattr(stream, "close", None)
+        if close is not None:
+            close()
+        raise TypeError(
+            f"{type(critic).__name__}.astream_generate must be an async generator (async def "
+            f"with yield), got {type(stream).__name__}: write it as an async def that yields "
+            "the answer's pieces, or leave it out to stream the agenerate answer in one piece"
+        )
     return stream

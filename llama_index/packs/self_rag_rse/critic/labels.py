@@ -55,8 +55,8 @@ class LabelScale:
         lo, hi = self.number_range
         if not lo <= number <= hi:
             return None
-        vmin, vmax = min(self.values), max(self.values)
-        return vmin + (number - lo) / (hi - lo) * (vmax - vmin)
+        lowest, highest = min(self.values), max(self.values)
+        return lowest + (number - lo) / (hi - lo) * (highest - lowest)
 
 
 def _synonyms(*per_label: str) -> tuple[tuple[str, int], ...]:

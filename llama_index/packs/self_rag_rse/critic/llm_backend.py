@@ -57,8 +57,18 @@ def with_system(messages: list[ChatMessage], system: str | None) -> list[ChatMes
 def fallback_score(scale: LabelScale, reading: Reading, tokens: int | None) -> Scored:
     """A parsed reply's score, or the scale's neutral score when it could not be read."""
     if reading.score is not None:
-        return Scored(reading.score, reading.method, reading.note, tokens)
-    return Scored(scale.fallback, "fallback", reading.note or "unreadable reply", tokens)
+        return Scored(
+            score=reading.score,
+            method=reading.method,
+            note=reading.note,
+            generated_tokens=tokens,
+        )
+    return Scored(
+        score=scale.fallback,
+        method="fallback",
+        note=reading.note or "unreadable reply",
+        generated_tokens=tokens,
+    )
 
 
 class LLMBackend(CriticBackend):
@@ -70,8 +80,6 @@ class LLMBackend(CriticBackend):
             ``{"max_tokens": 8}``).
         num_workers: most calls in flight at once (per event loop).
     """
-
-    prompt_format = "llm"
 
     def __init__(
         self, llm: LLM, llm_kwargs: Mapping[str, Any] | None = None, num_workers: int = 4
@@ -163,7 +171,9 @@ class LLMBackend(CriticBackend):
             else:
                 if label_lps is not None:
                     return Scored(
-                        scale.expected_value(label_lps), "logprobs", None, reply.generated_tokens
+                        score=scale.expected_value(label_lps),
+                        method="logprobs",
+                        generated_tokens=reply.generated_tokens,
                     )
         scored = fallback_score(scale, parse_reply(reply.text, scale), reply.generated_tokens)
         if ignored:
@@ -185,14 +195,6 @@ class LLMBackend(CriticBackend):
         for closed in [old for old in self._limits if old.is_closed()]:
             del self._limits[closed]  # a semaphore holds its loop: the weak key never lets go
         return self._limits.setdefault(loop, asyncio.Semaphore(self.num_workers))
-
-    def describe(self) -> dict[str, Any]:
-        """Backend, LLM class and model name."""
-        return {
-            **super().describe(),
-            "llm": type(self.llm).__name__,
-            "model": getattr(self.llm.metadata, "model_name", None),
-        }
 
 
 async def _gather(jobs: Any) -> list[Any]:
@@ -221,4 +223,5 @@ def _usage(raw: Any) -> int | None:
     for name in ("usage", "completion_tokens"):  # absent anywhere: None from there on
         value = value.get(name) if isinstance(value, Mapping) else getattr(value, name, None)
     # A count: bool is an int to Python, and a negative one is no count.
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    is_count = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return value if is_count else None

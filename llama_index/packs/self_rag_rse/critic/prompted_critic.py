@@ -149,11 +149,10 @@ class PromptedCritic(BaseCritic):
                     "llama_cpp.Llama as PromptedCritic(LlamaCppBackend(llama))"
                 )
         backend = LLMBackend(llm, llm_kwargs, num_workers=num_workers)
-        generator = (
-            None
-            if generator_llm is None or generator_llm is llm
-            else LLMBackend(generator_llm, llm_kwargs, num_workers=num_workers)
-        )
+        generator: LLMBackend | None = None
+        # A generator of its own only when it is another LLM than the judge.
+        if generator_llm is not None and generator_llm is not llm:
+            generator = LLMBackend(generator_llm, llm_kwargs, num_workers=num_workers)
         return cls(backend, generator_backend=generator, **prompts)
 
     @property
@@ -225,8 +224,12 @@ class PromptedCritic(BaseCritic):
         """
         if not paragraphs:
             return []
-        parts = ("answer", "relevance", "support", "utility")
-        prompts = JudgementPrompts(*(self._prompts[f"{part}_prompt"] for part in parts))
+        prompts = JudgementPrompts(
+            answer=self._prompts["answer_prompt"],
+            relevance=self._prompts["relevance_prompt"],
+            support=self._prompts["support_prompt"],
+            utility=self._prompts["utility_prompt"],
+        )
         results = await self.backend.judge_paragraphs(
             query, paragraphs, prompts, generator=self.generator_backend
         )
@@ -256,12 +259,23 @@ class PromptedCritic(BaseCritic):
 
 
 def _judgement(item: ParagraphResult) -> ParagraphJudgement:
-    failures = [item.answer] if isinstance(item.answer, Exception) else []
-    failures += [s for s in item.scores.values() if isinstance(s, Exception)]
+    """One paragraph's judgement from what the backend found: a part that failed fails the
+    paragraph (its first failure is the error, every score 0); ``details`` says how each score
+    was read, and the token counts when known.
+    """
+    parts = [item.answer, *item.scores.values()]
+    failures = [part for part in parts if isinstance(part, Exception)]
     if failures:
         error = f"{type(failures[0]).__name__}: {failures[0]}"
         marks = dict.fromkeys(("relevance", "support", "utility"), "error")
-        return ParagraphJudgement("", 0.0, 0.0, 0.0, error=error, details=marks)
+        return ParagraphJudgement(
+            answer="",
+            relevance=0.0,
+            support=0.0,
+            utility=0.0,
+            error=error,
+            details=marks,
+        )
     assert isinstance(item.answer, Generated)
     scores = {k: v for k, v in item.scores.items() if isinstance(v, Scored)}
     details: dict[str, Any] = {name: scores[name].method for name in scores}

@@ -12,37 +12,6 @@ from __future__ import annotations
 
 from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
 
-DEFAULT_RETRIEVAL_PROMPT = PromptTemplate(
-    "Question: {query_str}\n\n"
-    "Do you need to look up facts in documents to answer this question well?\n"
-    "Reply with one word: Yes or No."
-)
-DEFAULT_RELEVANCE_PROMPT = PromptTemplate(
-    "Question: {query_str}\n\n"
-    "Paragraph:\n{context_str}\n\n"
-    "Is this paragraph relevant to the question? Reply with one word: Yes or No."
-)
-DEFAULT_SUPPORT_PROMPT = PromptTemplate(
-    "Question: {query_str}\n\n"
-    "Paragraph:\n{context_str}\n\n"
-    "Answer: {answer_str}\n\n"
-    "Does the paragraph support the answer? Reply with one word: Yes, Partly or No."
-)
-DEFAULT_UTILITY_PROMPT = PromptTemplate(
-    "Question: {query_str}\n\n"
-    "Answer: {answer_str}\n\n"
-    "How useful is this answer to the question, from 1 (useless) to 5 (complete and helpful)?\n"
-    "Reply with one digit: 1, 2, 3, 4 or 5."
-)
-DEFAULT_ANSWER_PROMPT = PromptTemplate(
-    "Question: {query_str}\n\n"
-    "Paragraph:\n{context_str}\n\n"
-    "Answer the question using the paragraph, in one or two short sentences."
-)
-DEFAULT_NO_EVIDENCE_PROMPT = PromptTemplate(
-    "Question: {query_str}\n\nAnswer the question in one or two short sentences."
-)
-
 #: Prompt keys (for ``get_prompts``/``update_prompts``) and the variables each must use.
 PROMPT_VARIABLES: dict[str, tuple[str, ...]] = {
     "retrieval_prompt": ("query_str",),
@@ -52,32 +21,54 @@ PROMPT_VARIABLES: dict[str, tuple[str, ...]] = {
     "answer_prompt": ("query_str", "context_str"),
     "no_evidence_prompt": ("query_str",),
 }
+#: The prompted critic's default templates: its four judgements and two answers.
 DEFAULT_PROMPTS: dict[str, BasePromptTemplate] = {
-    "retrieval_prompt": DEFAULT_RETRIEVAL_PROMPT,
-    "relevance_prompt": DEFAULT_RELEVANCE_PROMPT,
-    "support_prompt": DEFAULT_SUPPORT_PROMPT,
-    "utility_prompt": DEFAULT_UTILITY_PROMPT,
-    "answer_prompt": DEFAULT_ANSWER_PROMPT,
-    "no_evidence_prompt": DEFAULT_NO_EVIDENCE_PROMPT,
+    "retrieval_prompt": PromptTemplate(
+        "Question: {query_str}\n\n"
+        "Do you need to look up facts in documents to answer this question well?\n"
+        "Reply with one word: Yes or No."
+    ),
+    "relevance_prompt": PromptTemplate(
+        "Question: {query_str}\n\n"
+        "Paragraph:\n{context_str}\n\n"
+        "Is this paragraph relevant to the question? Reply with one word: Yes or No."
+    ),
+    "support_prompt": PromptTemplate(
+        "Question: {query_str}\n\n"
+        "Paragraph:\n{context_str}\n\n"
+        "Answer: {answer_str}\n\n"
+        "Does the paragraph support the answer? Reply with one word: Yes, Partly or No."
+    ),
+    "utility_prompt": PromptTemplate(
+        "Question: {query_str}\n\n"
+        "Answer: {answer_str}\n\n"
+        "How useful is this answer to the question, from 1 (useless) to 5 (complete and helpful)?\n"
+        "Reply with one digit: 1, 2, 3, 4 or 5."
+    ),
+    "answer_prompt": PromptTemplate(
+        "Question: {query_str}\n\n"
+        "Paragraph:\n{context_str}\n\n"
+        "Answer the question using the paragraph, in one or two short sentences."
+    ),
+    "no_evidence_prompt": PromptTemplate(
+        "Question: {query_str}\n\nAnswer the question in one or two short sentences."
+    ),
 }
 VARIABLES = ("query_str", "context_str", "answer_str")
 
 # The corrective loop's prompts (the engine's own; they fill {query_str} only).
-DEFAULT_QUERY2DOC_PROMPT = PromptTemplate(
-    "Write a short encyclopedia-style passage that answers the question below. "
-    "Answer with the passage only.\n\nQuestion: {query_str}"
-)
-DEFAULT_REWRITE_PROMPT = PromptTemplate(
-    "Rewrite the question below as a short search query that names its key terms. "
-    "Answer with the query only.\n\nQuestion: {query_str}"
-)
-DEFAULT_GROUNDED_PROMPT = PromptTemplate(
-    "{query_str}\n\nAnswer using only facts stated in the paragraph."
-)
 ENGINE_PROMPTS: dict[str, BasePromptTemplate] = {
-    "query2doc_prompt": DEFAULT_QUERY2DOC_PROMPT,
-    "rewrite_prompt": DEFAULT_REWRITE_PROMPT,
-    "grounded_prompt": DEFAULT_GROUNDED_PROMPT,
+    "query2doc_prompt": PromptTemplate(
+        "Write a short encyclopedia-style passage that answers the question below. "
+        "Answer with the passage only.\n\nQuestion: {query_str}"
+    ),
+    "rewrite_prompt": PromptTemplate(
+        "Rewrite the question below as a short search query that names its key terms. "
+        "Answer with the query only.\n\nQuestion: {query_str}"
+    ),
+    "grounded_prompt": PromptTemplate(
+        "{query_str}\n\nAnswer using only facts stated in the paragraph."
+    ),
 }
 ENGINE_PROMPT_VARIABLES: dict[str, tuple[str, ...]] = {
     key: ("query_str",) for key in ENGINE_PROMPTS

@@ -73,7 +73,8 @@ class MissingReflectionTokens(ValueError):
         if not found:
             what = f"{RETRIEVAL} token (nor any of the {len(missing)} Self-RAG special tokens)"
         else:
-            what = f"{', '.join(missing)} token{'s' if len(missing) > 1 else ''}"
+            tokens = "tokens" if len(missing) > 1 else "token"
+            what = f"{', '.join(missing)} {tokens}"
         super().__init__(f"model has no {what}: pass a Self-RAG GGUF or use critic='prompted'")
 
 
@@ -99,10 +100,6 @@ class ReflectionScores:
     support: float
     utility: float
     seq_score: float
-
-    def as_tuple(self) -> tuple[float, float, float, float]:
-        """The four scores in the order of :class:`~.contract.ParagraphJudgement`'s fields."""
-        return self.relevance, self.support, self.utility, self.seq_score
 
 
 # --- building the log-prob array -----------------------------------------------------------------

@@ -19,22 +19,15 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import BaseNode, TransformComponent
 
 from llama_index.packs.self_rag_rse.common.optional import optional_import
+from llama_index.packs.self_rag_rse.evaluation.names import ENGINE_DESCRIPTIONS, ENGINE_NAMES
 from llama_index.packs.self_rag_rse.rse.chunk_index import ChunkIndexer
 from llama_index.packs.self_rag_rse.rse.postprocessor import RelevantSegmentPostprocessor
 from llama_index.packs.self_rag_rse.self_rag.engine import SelfRAGQueryEngine
 
-#: The command's chunking (tokens): as the demo's.
-CHUNK_SIZE, CHUNK_OVERLAP = 128, 16
-
-#: Engine names in report order, with what each one is.
-ENGINE_DESCRIPTIONS = {
-    "top-k": "RetrieverQueryEngine, top-k chunks",
-    "top-k+rse": "RetrieverQueryEngine + RelevantSegmentPostprocessor",
-    "self-rag": "SelfRAGQueryEngine on top-k chunks",
-    "self-rag+rse": "SelfRAGQueryEngine on RSE segments",
-    "self-rag+corrective": "SelfRAGQueryEngine on top-k chunks, corrective loop",
-}
-ENGINE_NAMES = tuple(ENGINE_DESCRIPTIONS)
+#: The command's chunk size in tokens: as the demo's.
+CHUNK_SIZE = 128
+#: Tokens each chunk shares with the one before it.
+CHUNK_OVERLAP = 16
 
 
 @dataclass
@@ -79,7 +72,13 @@ def build_index(
         warnings.filterwarnings("ignore", message="Payload indexes have no effect")
         storage = StorageContext.from_defaults(vector_store=store)
         index = VectorStoreIndex(nodes, storage_context=storage, embed_model=embed_model)
-    return BuiltIndex(index, nodes, store, prepared - started, embedded - prepared)
+    return BuiltIndex(
+        index=index,
+        nodes=nodes,
+        store=store,
+        prepare_s=prepared - started,
+        embed_s=embedded - prepared,
+    )
 
 
 def default_engines(
@@ -101,7 +100,10 @@ def default_engines(
     if similarity_top_k < 1:
         raise ValueError(f"similarity_top_k must be at least 1, got {similarity_top_k}")
     if "corrective" in (self_rag_options or {}):
-        raise ValueError("self_rag_options must not set corrective: it is set per engine")
+        raise ValueError(
+            "self_rag_options must not set corrective: it is set per engine (on in "
+            "self-rag+corrective, off in the others); remove it from self_rag_options"
+        )
     built: dict[str, BaseQueryEngine] = {}
     try:
         for name in names:

@@ -18,24 +18,13 @@ from llama_index.core import evaluation as core
 from llama_index.core.prompts.mixin import PromptDictType
 
 from llama_index.packs.self_rag_rse.common.optional import optional_import
-
-#: What a built-in metric needs of an answer, in report order (other metrics apply always).
-CONTEXTS, REFERENCE, NO_REFERENCE = "contexts", "reference", "no reference"
-RAGAS_METRICS = {
-    "faithfulness": {CONTEXTS},
-    "answer_relevancy": set(),
-    "context_precision": {CONTEXTS, REFERENCE},
-    "context_utilization": {CONTEXTS, NO_REFERENCE},
-    "context_recall": {CONTEXTS, REFERENCE},
-}
-LLAMAINDEX_METRICS = {
-    "li_faithfulness": {CONTEXTS},
-    "li_relevancy": {CONTEXTS},
-    "li_answer_relevancy": set(),
-    "li_context_relevancy": {CONTEXTS},
-    "li_correctness": {REFERENCE},
-    "li_semantic_similarity": {REFERENCE},
-}
+from llama_index.packs.self_rag_rse.evaluation.names import (
+    CONTEXTS,
+    LLAMAINDEX_METRICS,
+    NO_REFERENCE,
+    RAGAS_METRICS,
+    REFERENCE,
+)
 
 
 class JudgementError(RuntimeError):
@@ -48,13 +37,15 @@ class RagasMetric(core.BaseEvaluator):
     """
 
     def __init__(self, name: str, metric: Any, version: str = "?") -> None:
-        self.name, self.metric, self.version = name, metric, version
+        self.name = name
+        self.metric = metric
+        self.version = version
 
     def _get_prompts(self) -> PromptDictType:
         return {}  # the prompts live in the RAGAS metric
 
     def _update_prompts(self, prompts_dict: PromptDictType) -> None:
-        pass
+        """Nothing to update here: the prompts live in the RAGAS metric."""
 
     async def aevaluate(
         self,
@@ -68,8 +59,12 @@ class RagasMetric(core.BaseEvaluator):
         from ragas import SingleTurnSample
         from ragas.exceptions import RagasOutputParserException
 
-        fields: dict[str, Any] = {"user_input": query, "response": response, "reference": reference}
-        sample = SingleTurnSample(retrieved_contexts=list(contexts or ()), **fields)
+        sample = SingleTurnSample(
+            user_input=query,
+            response=response,
+            reference=reference,
+            retrieved_contexts=list(contexts or ()),
+        )
         try:
             score = await self.metric.single_turn_ascore(sample, timeout=None)
         except RagasOutputParserException as error:
@@ -110,7 +105,8 @@ def _ragas_judge(llm: Any, embed_model: Any) -> dict[str, core.BaseEvaluator]:
     for module in ("embeddings", "exceptions", "llms", "metrics", "run_config"):
         importlib.import_module(f"ragas.{module}")  # an ImportError says how to install
     # One attempt per request: the runner retries a judgement, with backoff.
-    config, metrics = ragas.run_config.RunConfig(max_retries=1, max_wait=1), ragas.metrics
+    config = ragas.run_config.RunConfig(max_retries=1, max_wait=1)
+    metrics = ragas.metrics
     with warnings.catch_warnings():
         # Deprecated in ragas 0.4 for collections that take no LlamaIndex LLM: still the way in.
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -124,8 +120,9 @@ def _ragas_judge(llm: Any, embed_model: Any) -> dict[str, core.BaseEvaluator]:
         if embed_model is not None:
             embed = ragas.embeddings.LlamaIndexEmbeddingsWrapper(embed_model, run_config=config)
             # One regenerated question: the wrapper returns one generation per call.
-            relevancy = metrics.AnswerRelevancy(llm=wrapped, embeddings=embed, strictness=1)
-            found["answer_relevancy"] = relevancy
+            found["answer_relevancy"] = metrics.AnswerRelevancy(
+                llm=wrapped, embeddings=embed, strictness=1
+            )
     for metric in found.values():
         metric.init(config)
     version = str(getattr(ragas, "__version__", "?"))
@@ -136,6 +133,7 @@ def applies(metric: str, contexts: Sequence[str], reference: str | None) -> bool
     """Whether ``metric`` can score an answer with these contexts and reference."""
     need = {**RAGAS_METRICS, **LLAMAINDEX_METRICS}.get(metric, set())
     missing = (CONTEXTS in need and not contexts) or (REFERENCE in need and not reference)
+    # context_utilization is context_precision without a reference: never both for one answer.
     return not (missing or (NO_REFERENCE in need and reference))
 
 
@@ -164,7 +162,10 @@ async def ascore(
         raise JudgementError(f"{metric}: no score in the judge's reply {reply!r}")
     if not math.isfinite(score := float(result.score)):
         # RAGAS gives NaN when the judge's replies held nothing to count (no statements).
-        raise JudgementError(f"the judge returned {score}")
+        raise JudgementError(
+            f"the judge returned {score} for {metric}: its replies held nothing to score (e.g. "
+            "no statements taken from the answer); a more capable judge model gives one"
+        )
     if metric == "li_correctness":
         score = (score - 1.0) / 4.0  # a 1-5 rubric
     return min(1.0, max(0.0, score)) if metric in LLAMAINDEX_METRICS else score
@@ -176,23 +177,34 @@ def describe_judge(judge: Mapping[str, core.BaseEvaluator], name: str | None, ll
     """
     ragas = [e.version for e in judge.values() if isinstance(e, RagasMetric)]
     library = f"ragas {ragas[0]}" if ragas else "llama-index-core evaluators"
-    who = llm_label(llm) if llm is not None else ", ".join(type(e).__name__ for e in judge.values())
+    who = (
+        llm_label(llm)
+        if llm is not None
+        else ", ".join(type(evaluator).__name__ for evaluator in judge.values())
+    )
     return {"identity": name or f"{library} / {who}", "metrics": list(judge)}
 
 
 def llm_label(llm: Any) -> str:
     """A short, stable name for an LLM: class, model (a GGUF's name and size) and reply length."""
-    model, tokens, size = str(getattr(llm, "model", "") or ""), None, None
+    model = str(getattr(llm, "model", "") or "")
+    tokens = size = None
     with contextlib.suppress(Exception):  # a label must never fail
-        model, tokens = str(llm.metadata.model_name or ""), llm.metadata.num_output
-        size = f"{Path(model).stat().st_size:,} bytes" if model.endswith(".gguf") else None
+        metadata = llm.metadata
+        name = str(metadata.model_name or "")
+        tokens = metadata.num_output
+        model = name  # only once both were read
+        if model.endswith(".gguf"):
+            # Two GGUFs of one name are told apart by their size.
+            size = f"{Path(model).stat().st_size:,} bytes"
     # The reply length changes what a judge can say (a JSON list cut short fails to parse).
     parts = [Path(model).name if size else model, size, tokens and f"{tokens} tokens"]
-    return f"{type(llm).__name__}({', '.join(p for p in parts if p)})".replace("()", "")
+    return f"{type(llm).__name__}({', '.join(part for part in parts if part)})".replace("()", "")
 
 
 def embed_label(embed_model: Any) -> str:
     """A short, stable name for an embedding model (a local folder: its last two parts)."""
     name = str(getattr(embed_model, "model_name", "") or "")
-    name = "/".join(Path(name).parts[-2:]) if Path(name).is_absolute() else name
+    if Path(name).is_absolute():
+        name = "/".join(Path(name).parts[-2:])
     return f"{type(embed_model).__name__}({name})" if name else type(embed_model).__name__

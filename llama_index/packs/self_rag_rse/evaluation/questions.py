@@ -64,9 +64,13 @@ def resolve_document(name: str, documents: Mapping[str, str]) -> str | None:
     """The key of ``documents`` that ``name`` designates: itself, a unique file name match, or
     the key an absolute path (SimpleDirectoryReader's ``file_path``) ends with.
     """
+    if name in documents:
+        return name
     matches = [key for key in documents if Path(key).name == Path(name).name]
-    ending = next((key for key in documents if Path(name).as_posix().endswith("/" + key)), None)
-    return name if name in documents else (matches[0] if len(matches) == 1 else ending)
+    if len(matches) == 1:
+        return matches[0]
+    # An absolute path ends with the relative key it designates.
+    return next((key for key in documents if Path(name).as_posix().endswith("/" + key)), None)
 
 
 def load_questions(
@@ -95,7 +99,7 @@ def load_questions(
         raise ValueError(f"{source} has {len(problems)} bad line(s):\n  {shown}")
     if not questions:
         raise ValueError(f"{source} holds no question: one JSON object per line")
-    return questions[:limit] if limit is not None else questions
+    return questions[:limit]
 
 
 def questions_from(
@@ -104,14 +108,16 @@ def questions_from(
     """``Question`` objects from strings or questions; with ``documents``, each ``evidence``
     without an ``evidence_span`` is located (``ValueError`` when it is not found).
     """
-    out = [item if isinstance(item, Question) else Question(str(item)) for item in items]
-    if documents is None:
-        return out
-    located = [{k: v for k, v in asdict(q).items() if k in _KEYS} for q in out]
-    return [
-        _parse(fields, documents) if q.evidence and q.evidence_span is None else q
-        for q, fields in zip(out, located, strict=True)
-    ]
+    out = []
+    for item in items:
+        question = item if isinstance(item, Question) else Question(str(item))
+        if documents is not None and question.evidence and question.evidence_span is None:
+            # Located as a line of the set is (evidence_span is no key of a line).
+            question = _parse(
+                {key: value for key, value in asdict(question).items() if key in _KEYS}, documents
+            )
+        out.append(question)
+    return out
 
 
 def _parse(item: object, documents: Mapping[str, str] | None) -> Question:
@@ -124,20 +130,38 @@ def _parse(item: object, documents: Mapping[str, str] | None) -> Question:
         raise ValueError(f'"{wrong[0]}" must be a string')
     if not (item.get("question") or "").strip():
         raise ValueError('no "question" (a non-empty string)')
-    document, evidence, span = item.get("document") or None, item.get("evidence") or None, None
+    document = item.get("document") or None
+    evidence = item.get("evidence") or None
+    span = None
     if evidence and not document:
         raise ValueError('"evidence" needs "document" (the file it is copied from)')
     if documents is not None and document:
         if (name := resolve_document(document, documents)) is None:
             if same := [key for key in documents if Path(key).name == Path(document).name]:
-                raise ValueError(f"document {document!r} is ambiguous: give {' or '.join(same)}")
-            raise ValueError(f"document {document!r} is not a file in --docs")
-        found = find_span(documents[name], evidence) if evidence else None
-        if evidence and found is None:
-            raise ValueError(f"the evidence is not in {name}: it must be copied verbatim")
-        document, span = name, ((name, *found) if found else None)
-    reference = item.get("reference") or None
-    return Question(item["question"].strip(), document, evidence, reference, span)
+                raise ValueError(
+                    f"document {document!r} matches {len(same)} files in --docs "
+                    f"({', '.join(same)}): give its path relative to --docs, e.g. {same[0]!r}"
+                )
+            raise ValueError(
+                f"document {document!r} is not a file in --docs: give a path relative to "
+                "--docs, or the file name of one file there"
+            )
+        if evidence:
+            found = find_span(documents[name], evidence)
+            if found is None:
+                raise ValueError(
+                    f"the evidence is not in {name}: it must be copied verbatim from the file "
+                    "(only runs of whitespace may differ)"
+                )
+            span = (name, *found)
+        document = name
+    return Question(
+        question=item["question"].strip(),
+        document=document,
+        evidence=evidence,
+        reference=item.get("reference") or None,
+        evidence_span=span,
+    )
 
 
 def find_span(text: str, fragment: str, near: int | None = None) -> tuple[int, int] | None:
@@ -182,29 +206,35 @@ def retrieved_contexts(
     source_nodes: Sequence[NodeWithScore], documents: Mapping[str, str] | None = None
 ) -> tuple[list[str], list[Span], int]:
     """The texts of ``source_nodes`` and, with ``documents``, their spans and unplaced chars."""
-    texts = [(n.node, n.node.get_content(metadata_mode=MetadataMode.NONE)) for n in source_nodes]
-    kept = [(node, text) for node, text in texts if text.strip()]
-    spans = [place_node(node, text, documents) for node, text in kept] if documents else []
-    unplaced = sum(len(text) for (_, text), span in zip(kept, spans, strict=False) if span is None)
-    return [text for _, text in kept], [s for s in spans if s is not None], unplaced
+    read = [(n.node, n.node.get_content(metadata_mode=MetadataMode.NONE)) for n in source_nodes]
+    kept = [(node, text) for node, text in read if text.strip()]
+    texts = [text for _, text in kept]
+    if not documents:
+        return texts, [], 0
+    placed = [(text, place_node(node, text, documents)) for node, text in kept]
+    spans = [span for _, span in placed if span is not None]
+    unplaced = sum(len(text) for text, span in placed if span is None)
+    return texts, spans, unplaced
 
 
 def place_node(node: Any, text: str, documents: Mapping[str, str]) -> Span | None:
     """``(document, start, end)`` of ``node`` in ``documents``, or ``None``."""
     meta = node.metadata or {}
-    names = [*(meta.get(key) for key in DOCUMENT_KEYS), getattr(node, "ref_doc_id", None)]
-    name = next((n for c in names if c and (n := resolve_document(str(c), documents))), None)
+    candidates = [*(meta.get(key) for key in DOCUMENT_KEYS), getattr(node, "ref_doc_id", None)]
+    resolved = (resolve_document(str(c), documents) for c in candidates if c)
+    name = next((found for found in resolved if found), None)
     if name is None:
         return None
     offsets = (getattr(node, "start_char_idx", None), getattr(node, "end_char_idx", None))
     ranges: list[Any] = [meta.get("segment_char_range"), offsets]
     pairs = [r for r in ranges if isinstance(r, (list, tuple)) and len(r) == 2 and None not in r]
-    doc, hints = documents[name], [(int(a), int(b)) for a, b in pairs]
-    valid = [(a, b) for a, b in hints if 0 <= a < b <= len(doc)]
-    for a, b in valid:
+    doc = documents[name]
+    hints = [(int(start), int(end)) for start, end in pairs]
+    valid = [(start, end) for start, end in hints if 0 <= start < end <= len(doc)]
+    for start, end in valid:
         # Offsets are trusted when the text there is the node's, whitespace aside (RSE restores it).
-        if doc[a:b].split() == text.split():
-            return name, a, b
+        if doc[start:end].split() == text.split():
+            return name, start, end
     found = find_span(doc, text, near=hints[0][0] if hints else None)
     if found is None and hints and hints[0] in valid:
         found = hints[0]

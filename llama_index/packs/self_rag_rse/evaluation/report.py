@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llama_index.packs.self_rag_rse.common.urls import mask_url
+
 logger = logging.getLogger(__name__)
 
 #: Per-question measures that are not judgements, reported beside the metrics.
@@ -55,9 +57,14 @@ class MetricSummary:
         """Summarise scores; ``None`` (and NaN) entries count as failed."""
         ok = tuple(float(v) for v in values if v is not None and not math.isnan(v))
         if not ok:
-            return cls(None, None, 0, len(values))
-        std = statistics.stdev(ok) if len(ok) > 1 else 0.0
-        return cls(statistics.fmean(ok), std, len(ok), len(values) - len(ok), ok)
+            return cls(mean=None, std=None, n=0, failed=len(values))
+        return cls(
+            mean=statistics.fmean(ok),
+            std=statistics.stdev(ok) if len(ok) > 1 else 0.0,
+            n=len(ok),
+            failed=len(values) - len(ok),
+            values=ok,
+        )
 
 
 @dataclass
@@ -76,12 +83,18 @@ class EvaluationResult:
         rows = [r for r in self.records if r.engine == engine]
         if measure not in COST_MEASURES:
             return [r.metrics[measure] for r in rows if measure in r.metrics]
-        return [None if (v := getattr(r, measure)) is None else float(v) for r in rows]
+        costs = [getattr(row, measure) for row in rows]
+        return [None if cost is None else float(cost) for cost in costs]
 
     def summary(self) -> dict[str, dict[str, MetricSummary]]:
         """``{engine: {measure: MetricSummary}}`` for every metric and cost measure."""
         measures = [*self.metrics, *COST_MEASURES]
-        return {e: {m: MetricSummary.of(self.values(e, m)) for m in measures} for e in self.engines}
+        return {
+            engine: {
+                measure: MetricSummary.of(self.values(engine, measure)) for measure in measures
+            }
+            for engine in self.engines
+        }
 
     @property
     def failures(self) -> list[tuple[str, str, str, str]]:
@@ -93,13 +106,16 @@ class EvaluationResult:
         return [asdict(r) for r in self.records]
 
 
-BAR_STYLE = {"width": 0.6, "color": "#9ecae1", "edgecolor": "#3182bd", "capsize": 4}
-DOT_STYLE = {"s": 10, "color": "#08519c", "alpha": 0.7, "zorder": 3}
 #: Column titles for the cost measures.
 COST_TITLES = {"latency_s": "latency (s)", "model_calls": "model calls"}
 #: The setup lines of the report, from ``EvaluationResult.settings``.
-SETUP = {"documents": "Documents", "llm": "Answering LLM", "embed_model": "Embedding model"}
-SETUP.update(index="Index", engine_options="Engine options")
+SETUP = {
+    "documents": "Documents",
+    "llm": "Answering LLM",
+    "embed_model": "Embedding model",
+    "index": "Index",
+    "engine_options": "Engine options",
+}
 
 
 def write_report(
@@ -110,10 +126,11 @@ def write_report(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    records = json.dumps(result.to_json(), indent=2, ensure_ascii=False)
+    # A password in a served model's URL (the command, the model's label, an error) is masked.
+    records = mask_url(json.dumps(result.to_json(), indent=2, ensure_ascii=False))
     (out / "records.json").write_text(records + "\n", "utf-8", "backslashreplace")
     chart = write_chart(result, out / "report.png") if plot else None
-    paths = {"records": out / "records.json", **({"chart": chart} if chart else {})}
+    paths = {"records": out / "records.json", **({"chart": chart} if chart is not None else {})}
     settings = result.settings
     parts = ["# Evaluation: Self-RAG and RSE against top-k retrieval", ""]
     for note in result.notes:
@@ -146,7 +163,7 @@ def write_report(
     parts.append(
         "Metrics: docs/evaluate.md of llama-index-packs-self-rag-rse. Records: `records.json`."
     )
-    (out / "report.md").write_text("\n".join([*parts, ""]), "utf-8", "backslashreplace")
+    (out / "report.md").write_text(mask_url("\n".join([*parts, ""])), "utf-8", "backslashreplace")
     return {**paths, "report": out / "report.md"}
 
 
@@ -162,10 +179,14 @@ def markdown_table(result: EvaluationResult) -> str:
     """Engines as rows, metrics then latency and model calls as columns."""
     summary = result.summary()
     measures = [*result.metrics, *COST_MEASURES]
-    rows = [["engine", *(COST_TITLES.get(m, m) for m in measures)], ["---"] * (len(measures) + 1)]
+    header = ["engine", *(COST_TITLES.get(measure, measure) for measure in measures)]
+    rows = [header, ["---"] * len(header)]
     for engine in result.engines:
-        digits = [1 if m == "model_calls" else 2 for m in measures]
-        rows.append([engine, *map(format_cell, (summary[engine][m] for m in measures), digits)])
+        cells = [
+            format_cell(summary[engine][measure], 1 if measure == "model_calls" else 2)
+            for measure in measures
+        ]
+        rows.append([engine, *cells])
     return "\n".join(_row(row) for row in rows)
 
 
@@ -174,21 +195,36 @@ def write_chart(result: EvaluationResult, path: str | Path) -> Path | None:
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        logger.warning("report.png skipped: pip install matplotlib to draw it")
+        logger.warning("report.png skipped: matplotlib is not installed; pip install matplotlib")
         return None
-    summary, engines, measures = result.summary(), result.engines, [*result.metrics, *COST_MEASURES]
-    columns, width = min(3, len(measures)), max(3.2, 0.9 * len(engines) + 1.2)
+    summary = result.summary()
+    engines = result.engines
+    measures = [*result.metrics, *COST_MEASURES]
+    columns = min(3, len(measures))
+    # Inches per panel: wide enough for every engine's bar and tilted name.
+    width = max(3.2, 0.9 * len(engines) + 1.2)
     rows = math.ceil(len(measures) / columns)
     fig = Figure(figsize=(width * columns, 3.0 * rows + 0.4), layout="constrained")
     axes = list(fig.subplots(rows, columns, squeeze=False).flat)
     for ax, measure in zip(axes, measures, strict=False):
-        stats = {x: s for x, e in enumerate(engines) if (s := summary[e][measure]).mean is not None}
-        means, stds = [s.mean for s in stats.values()], [s.std for s in stats.values()]
-        ax.bar(list(stats), means, yerr=stds, **BAR_STYLE)
+        # Bars at the engines' positions; an engine with no value has none.
+        stats = {x: summary[engine][measure] for x, engine in enumerate(engines)}
+        stats = {x: stat for x, stat in stats.items() if stat.mean is not None}
+        ax.bar(
+            list(stats),
+            [stat.mean for stat in stats.values()],
+            yerr=[stat.std for stat in stats.values()],
+            width=0.6,
+            color="#9ecae1",
+            edgecolor="#3182bd",
+            capsize=4,
+        )
         for x, s in stats.items():
             # Deterministic jitter keeps overlapping per-question dots apart.
             jitter = [((k * 0.618) % 1.0 - 0.5) * 0.4 for k in range(s.n)]
-            ax.scatter([x + j for j in jitter], s.values, **DOT_STYLE)
+            ax.scatter(
+                [x + j for j in jitter], s.values, s=10, color="#08519c", alpha=0.7, zorder=3
+            )
         ax.set_xticks(range(len(engines)), engines, rotation=30, ha="right", fontsize=7)
         ax.set_title(COST_TITLES.get(measure, measure), fontsize=9)
         if measure not in COST_TITLES:
@@ -210,7 +246,7 @@ def _row(cells: list[str]) -> str:
 
 def _text(value: Any) -> str:
     mapping = isinstance(value, Mapping)
-    return ", ".join(f"{k}={v}" for k, v in value.items()) if mapping else str(value)
+    return ", ".join(f"{key}={item}" for key, item in value.items()) if mapping else str(value)
 
 
 def _cell(text: str, limit: int) -> str:

@@ -8,13 +8,13 @@ what is missing or failed.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import hashlib
 import json
 import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +31,16 @@ from llama_index.core.instrumentation.span_handlers import NullSpanHandler
 from llama_index.core.utils import get_tqdm_iterable
 
 from llama_index.packs.self_rag_rse.common.bridge import run_sync
-from llama_index.packs.self_rag_rse.critic.contract import BaseCritic
+from llama_index.packs.self_rag_rse.common.tracing import CRITIC_MODELS
+from llama_index.packs.self_rag_rse.common.urls import mask_url
 from llama_index.packs.self_rag_rse.evaluation import judges
 from llama_index.packs.self_rag_rse.evaluation import questions as qs
+from llama_index.packs.self_rag_rse.evaluation.names import EVIDENCE_METRICS
 from llama_index.packs.self_rag_rse.evaluation.report import EvaluationResult, Record
 
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
 
-#: Metrics computed from the retrieved text and the gold evidence, without any model.
-EVIDENCE_METRICS = ("evidence_recall", "evidence_precision")
 #: Seconds between attempts of a judgement: 1, 2, 4, ... up to 30.
 RETRY_WAIT = tenacity.wait_exponential(multiplier=1, max=30)
 
@@ -81,68 +81,165 @@ async def aevaluate(
     if not engines:
         raise ValueError("pass at least one engine: {name: query engine}")
     if workers < 1 or retries < 0:
-        raise ValueError(f"workers must be 1 or more, retries 0 or more: got {workers}, {retries}")
+        raise ValueError(
+            f"workers must be 1 or more, retries 0 or more: got {workers}, {retries}; pass "
+            "workers=1 or more (judgements in flight) and retries=0 or more (extra attempts)"
+        )
     if not (items := qs.questions_from(questions, documents)):
         raise ValueError("pass at least one question")
     facts = None
     if judge is not None:
+        # A mapping is the judge itself; an LLM judges the built-in metrics.
         llm = None if isinstance(judge, Mapping) else judge
         judge = dict(judge) if llm is None else judges.make_judge(llm, embed_model)
         facts = judges.describe_judge(judge, judge_name, llm)
     names = [*(judge or ()), *EVIDENCE_METRICS]
-    if unknown := [m for m in metrics or () if m not in names]:
+    if unknown := [metric for metric in metrics or () if metric not in names]:
         hint = "" if judge is not None else " (no judge: evidence metrics only)"
         raise ValueError(f"unknown metric(s) {unknown} for this judge; choose from {names}{hint}")
     wanted = set(names if metrics is None else metrics)
     store = cache if isinstance(cache, ResultCache) else ResultCache(cache)
+    records = await _answer_all(
+        engines,
+        items,
+        documents=documents,
+        wanted=wanted,
+        store=store,
+        settings_key=settings_key,
+        progress=progress,
+    )
+    if judge is not None and facts is not None:
+        jobs = _judgement_jobs(
+            records,
+            judge,
+            wanted=wanted,
+            store=store,
+            settings_key=settings_key,
+            judge_identity=facts["identity"],
+        )
+        judgements = [
+            _judge_one(job, store=store, timeout_s=timeout_s, retries=retries) for job in jobs
+        ]
+        await run_jobs(judgements, show_progress=progress and bool(judgements), workers=workers)
+    if failed := [
+        f"{metric} of {record.engine}: {error}"
+        for record in records
+        for metric, error in record.errors.items()
+    ]:
+        logger.warning(
+            "%d item(s) failed (first: %s); they are left out of the means: rerun with the same "
+            "cache to retry only those",
+            len(failed),
+            failed[0],
+        )
+    present = [metric for metric in names if any(metric in record.metrics for record in records)]
+    return EvaluationResult(
+        records=records,
+        engines=list(engines),
+        metrics=present,
+        judge=facts["identity"] if facts is not None else None,
+        settings={"judge": facts, **dict(settings or {})},
+        notes=list(notes),
+    )
+
+
+async def _answer_all(
+    engines: Mapping[str, BaseQueryEngine],
+    questions: Sequence[qs.Question],
+    *,
+    documents: Mapping[str, str] | None,
+    wanted: set[str],
+    store: ResultCache,
+    settings_key: str,
+    progress: bool,
+) -> list[Record]:
+    """A record of every engine's answer to every question, one query at a time, each answer
+    taken from ``store`` when it holds one and put there when it is new.
+    """
     records: list[Record] = []
-    pairs = [(q, name, engine) for q in items for name, engine in engines.items()]
+    pairs = [(question, name, engine) for question in questions for name, engine in engines.items()]
     with ModelCallCounter() as counter:
         for question, name, engine in get_tqdm_iterable(pairs, progress, "answering"):
-            record = Record(question.question, name, "", None, None, reference=question.reference)
-            gold = tuple(map(str, question.evidence_span or ()))  # the evidence scores' gold
-            record.document, key = question.document, (settings_key, question.question, name, *gold)
+            record = Record(
+                question=question.question,
+                engine=name,
+                answer="",
+                latency_s=None,
+                model_calls=None,
+                reference=question.reference,
+                document=question.document,
+            )
             records.append(record)
+            # The evidence scores' gold is in the key: a question may be asked of two spans.
+            gold = tuple(map(str, question.evidence_span or ()))
+            key = (settings_key, question.question, name, *gold)
             value = store.get("answer", key)
             record.cached = value is not None
             if value is None:
                 try:
                     value = await _answer(engine, question, documents, counter)
                 except Exception as error:
-                    record.errors["answer"] = f"{type(error).__name__}: {error}"
-                    logger.warning("engine %s failed on %r: %s", name, question.question, error)
+                    record.errors["answer"] = mask_url(f"{type(error).__name__}: {error}")
+                    logger.warning(
+                        "engine %s failed on %r: %s", name, question.question, mask_url(str(error))
+                    )
                     continue
                 store.put("answer", key, value)
-            record.answer, record.contexts = value["answer"], list(value["contexts"])
-            record.latency_s, record.model_calls = value["latency_s"], value["model_calls"]
+            record.answer = value["answer"]
+            record.contexts = list(value["contexts"])
+            record.latency_s = value["latency_s"]
+            record.model_calls = value["model_calls"]
             record.model_calls_detail = dict(value.get("model_calls_detail", {}))
             evidence = value.get("evidence", {}).items()
-            record.metrics.update((m, s) for m, s in evidence if m in wanted)
-    if judge is not None and facts is not None:
-        jobs = []
-        for record in records:
-            if "answer" in record.errors or not record.answer.strip():
+            record.metrics.update((metric, score) for metric, score in evidence if metric in wanted)
+    return records
+
+
+@dataclass
+class JudgementJob:
+    """One judgement still to make: ``metric`` of ``record``'s answer by ``evaluator``, cached
+    under ``key`` once made.
+    """
+
+    record: Record
+    metric: str
+    evaluator: BaseEvaluator
+    key: tuple[str, ...]
+
+
+def _judgement_jobs(
+    records: Sequence[Record],
+    judge: Mapping[str, BaseEvaluator],
+    *,
+    wanted: set[str],
+    store: ResultCache,
+    settings_key: str,
+    judge_identity: str,
+) -> list[JudgementJob]:
+    """The judgements ``store`` does not hold, of every wanted metric that applies to an answer;
+    a cached score goes into its record at once.
+    """
+    jobs = []
+    for record in records:
+        if "answer" in record.errors or not record.answer.strip():
+            continue
+        # What was judged is in the key, so a new answer is judged afresh.
+        judged = (record.answer, record.contexts, record.reference)
+        digest = hashlib.sha256(json.dumps(judged).encode()).hexdigest()[:16]
+        for metric, evaluator in judge.items():
+            if metric not in wanted or not judges.applies(
+                metric, record.contexts, record.reference
+            ):
                 continue
-            # What was judged is in the key, so a new answer is judged afresh.
-            sample = (record.question, record.answer, record.contexts, record.reference)
-            digest = hashlib.sha256(json.dumps(sample[1:]).encode()).hexdigest()[:16]
-            for metric, evaluator in judge.items():
-                if metric not in wanted or not judges.applies(metric, *sample[2:]):
-                    continue
-                where = (settings_key, record.question, record.engine, facts["identity"], metric)
-                cached = store.get("judgement", (*where, digest))
-                # Each metric gets its place now, so the metrics keep the judge's order.
-                record.metrics[metric] = None if cached is None else float(cached["score"])
-                if cached is None:
-                    job = (record, metric, evaluator, sample, (*where, digest))
-                    jobs.append(_judge_one(job, store, timeout_s, retries))
-        await run_jobs(jobs, show_progress=progress and bool(jobs), workers=workers)
-    if failed := [f"{m} of {r.engine}: {e}" for r in records for m, e in r.errors.items()]:
-        why = f"{len(failed)} item(s) failed (first: {failed[0]})"
-        logger.warning("%s; left out of the means, retried by a rerun on the same cache", why)
-    present = [m for m in names if any(m in r.metrics for r in records)]
-    identity, report = (facts or {}).get("identity"), {"judge": facts, **dict(settings or {})}
-    return EvaluationResult(records, list(engines), present, identity, report, list(notes))
+            key = (settings_key, record.question, record.engine, judge_identity, metric, digest)
+            cached = store.get("judgement", key)
+            # Each metric gets its place now, so the metrics keep the judge's order.
+            record.metrics[metric] = None if cached is None else float(cached["score"])
+            if cached is None:
+                jobs.append(
+                    JudgementJob(record=record, metric=metric, evaluator=evaluator, key=key)
+                )
+    return jobs
 
 
 async def _answer(
@@ -157,14 +254,20 @@ async def _answer(
     # The blocking ``query`` in a worker thread: many engines' async paths need clients they were
     # not given (Qdrant local mode has none), and a copy of this context leaks no query's state.
     response = await asyncio.to_thread(_query, engine, question.question)
-    latency, calls = time.perf_counter() - started, counter.counts()
+    latency = time.perf_counter() - started
+    calls = counter.counts()
     texts, spans, unplaced = qs.retrieved_contexts(response.source_nodes or [], documents)
     gold = question.evidence_span
-    scores = qs.evidence_scores(gold, spans, unplaced) if gold is not None else ()
-    evidence = {m: s for m, s in zip(EVIDENCE_METRICS, scores, strict=False) if s is not None}
-    value: dict[str, Any] = {"answer": str(response.response or ""), "contexts": texts}
-    value.update(evidence=evidence, latency_s=round(latency, 4))
-    return {**value, "model_calls": calls.pop("model_calls"), "model_calls_detail": calls}
+    scores = qs.evidence_scores(gold, spans, unplaced) if gold is not None else (None, None)
+    pairs = zip(EVIDENCE_METRICS, scores, strict=True)
+    return {
+        "answer": str(response.response or ""),
+        "contexts": texts,
+        "evidence": {metric: score for metric, score in pairs if score is not None},
+        "latency_s": round(latency, 4),
+        "model_calls": calls.pop("model_calls"),
+        "model_calls_detail": calls,
+    }
 
 
 def _query(engine: BaseQueryEngine, question: str) -> Any:
@@ -174,27 +277,39 @@ def _query(engine: BaseQueryEngine, question: str) -> Any:
 
 
 async def _judge_one(
-    job: tuple[Any, ...], store: ResultCache, timeout_s: float | None, retries: int
+    job: JudgementJob, *, store: ResultCache, timeout_s: float | None, retries: int
 ) -> None:
     """One judgement into its record and the cache; never raises. A timeout or a server's error
     is tried again after a wait, an unreadable reply (``JudgementError``) is not: same reply.
     """
-    record, metric, evaluator, sample, key = job
-    retry = tenacity.retry_if_not_exception_type(judges.JudgementError)
+    record = job.record
     attempts = tenacity.AsyncRetrying(
-        stop=tenacity.stop_after_attempt(retries + 1), wait=RETRY_WAIT, retry=retry, reraise=True
+        stop=tenacity.stop_after_attempt(retries + 1),
+        wait=RETRY_WAIT,
+        # An unreadable reply would be read the same way again.
+        retry=tenacity.retry_if_not_exception_type(judges.JudgementError),
+        reraise=True,
     )
     try:
         async for attempt in attempts:
             with attempt:
-                score = await asyncio.wait_for(judges.ascore(metric, evaluator, *sample), timeout_s)
-    except Exception as error:
-        timed_out = isinstance(error, asyncio.TimeoutError)
-        why = f"no judgement within {timeout_s} s" if timed_out else str(error)
-        record.errors[metric] = f"{'TimeoutError' if timed_out else type(error).__name__}: {why}"
+                judgement = judges.ascore(
+                    job.metric,
+                    job.evaluator,
+                    query=record.question,
+                    response=record.answer,
+                    contexts=record.contexts,
+                    reference=record.reference,
+                )
+                score = await asyncio.wait_for(judgement, timeout_s)
+    except asyncio.TimeoutError:
+        record.errors[job.metric] = f"TimeoutError: no judgement within {timeout_s} s"
         return
-    store.put("judgement", key, {"score": score})
-    record.metrics[metric] = score
+    except Exception as error:
+        record.errors[job.metric] = mask_url(f"{type(error).__name__}: {error}")
+        return
+    store.put("judgement", job.key, {"score": score})
+    record.metrics[job.metric] = score
 
 
 class _Shape(BaseModel):
@@ -245,8 +360,13 @@ class ResultCache:
             except ValueError:
                 bad.append(str(number))
         if bad:
-            shown = ", ".join(bad[:10]) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
-            logger.warning("%s: skipped damaged line(s) %s; their items are redone", path, shown)
+            more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
+            logger.warning(
+                "%s: skipped damaged line(s) %s%s; their items are done again",
+                path,
+                ", ".join(bad[:10]),
+                more,
+            )
         # After a line cut short, the next record starts a new line (or it is glued to it and lost).
         self._newline_first = bool(data) and not data.endswith(b"\n")
 
@@ -264,24 +384,23 @@ class ResultCache:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a", encoding="utf-8", errors="backslashreplace") as out:
+                # After a line cut short (see __init__), a newline first.
                 out.write(("\n" if self._newline_first else "") + line + "\n")
             self._newline_first = False
 
 
-#: Methods of the critic contract whose spans count as model calls.
-CRITIC_METHODS = frozenset({"adecide_retrieval", "ajudge", "agenerate"})
-
-_DEPTH: contextvars.ContextVar[int] = contextvars.ContextVar("self_rag_rse_llm_depth", default=0)
-
-
 class ModelCallCounter:
     """Counts model calls through instrumentation while attached (``with ModelCallCounter() as
-    counter:``): LLM requests (one inside another, as ``LlamaCPP.chat`` calling ``complete``,
-    once), plus each critic method's span with no LLM request in it (an in-process critic).
+    counter:``), from core's LLM events: each start event is one call, unless it comes from
+    inside a call already counted (``LlamaCPP.chat`` calling ``complete``: one request). A
+    critic's own model (a llama.cpp decode, one call per sequence; a served model, one per
+    completion request) sends these events too, named in their ``model_dict``
+    (:data:`~llama_index.packs.self_rag_rse.common.tracing.CRITIC_MODELS`).
     """
 
     def __init__(self) -> None:
-        self._lock, self._events = threading.Lock(), _EventSink(owner=self)
+        self._lock = threading.Lock()
+        self._events = _EventSink(owner=self)
         self._spans = _SpanSink()
         self._spans.owner = self  # BaseSpanHandler's __init__ takes no extra fields
         self.reset()
@@ -290,15 +409,21 @@ class ModelCallCounter:
         """Start counting from zero."""
         with self._lock:
             self._llm = 0
+            self._critic = 0
             self._parents: dict[str, str | None] = {}
-            self._critic_spans: set[str] = set()
-            self._critic_with_llm: set[str] = set()
+            #: The spans of the calls counted.
+            self._calls: set[str] = set()
 
     def counts(self) -> dict[str, int]:
-        """``llm_requests``, ``critic_calls`` (those served without one) and ``model_calls``."""
+        """``llm_requests`` (calls through a LlamaIndex LLM), ``critic_calls`` (calls of a
+        critic's own model) and ``model_calls`` (both).
+        """
         with self._lock:
-            llm, native = self._llm, len(self._critic_spans - self._critic_with_llm)
-        return {"llm_requests": llm, "critic_calls": native, "model_calls": llm + native}
+            return {
+                "llm_requests": self._llm,
+                "critic_calls": self._critic,
+                "model_calls": self._llm + self._critic,
+            }
 
     def __enter__(self) -> ModelCallCounter:
         get_dispatcher().add_event_handler(self._events)
@@ -311,28 +436,24 @@ class ModelCallCounter:
         root.span_handlers[:] = [h for h in root.span_handlers if h is not self._spans]
 
     def _on_event(self, event: BaseEvent) -> None:
-        if isinstance(event, (events.LLMChatEndEvent, events.LLMCompletionEndEvent)):
-            _DEPTH.set(max(0, _DEPTH.get() - 1))
         if not isinstance(event, (events.LLMChatStartEvent, events.LLMCompletionStartEvent)):
             return
-        depth = _DEPTH.get()
-        _DEPTH.set(depth + 1)
-        if depth:
-            return  # a request made by a request already counted
         with self._lock:
-            self._llm += 1
-            span: str | None = event.span_id
+            span = event.span_id
             while span is not None:
-                if span in self._critic_spans:
-                    self._critic_with_llm.add(span)
+                if span in self._calls:
+                    return  # a request made by a request already counted
                 span = self._parents.get(span)
+            if event.span_id is not None:
+                self._calls.add(event.span_id)
+            if event.model_dict.get("class_name") in CRITIC_MODELS:
+                self._critic += 1
+            else:
+                self._llm += 1
 
-    def _on_span(self, id_: str, parent: str | None, instance: Any) -> None:
-        method = id_.rsplit("-", 5)[0].rsplit(".", 1)[-1]  # "Class.method-<uuid>"
+    def _on_span(self, id_: str, parent: str | None) -> None:
         with self._lock:
             self._parents[id_] = parent
-            if method in CRITIC_METHODS and isinstance(instance, BaseCritic):
-                self._critic_spans.add(id_)
 
 
 class _EventSink(BaseEventHandler):
@@ -343,10 +464,10 @@ class _EventSink(BaseEventHandler):
 
 
 class _SpanSink(NullSpanHandler):
-    """Sees each span open, with the instance whose method it wraps; keeps no span."""
+    """Sees each span open, with its parent; keeps no span."""
 
     owner: Any = None
 
     def span_enter(self, *args: Any, **kwargs: Any) -> None:
-        # The dispatcher passes id_, instance and parent_id by name.
-        self.owner._on_span(kwargs["id_"], kwargs.get("parent_id"), kwargs.get("instance"))
+        # The dispatcher passes id_ and parent_id by name.
+        self.owner._on_span(kwargs["id_"], kwargs.get("parent_id"))

@@ -156,10 +156,6 @@ class LlamaCppBackend(CriticBackend):
         """Wait for running work, then free the decoder's context (the model stays open)."""
         self._worker.close()
 
-    def describe(self) -> dict[str, Any]:
-        """Backend, prompt format and KV layout."""
-        return {**super().describe(), "kv_unified": self.decoder.kv_unified}
-
     # --- on the worker thread, in one conversation ------------------------------------------------
 
     async def _decode(self, func: Callable[..., T], /, *args: Any) -> T:
@@ -253,21 +249,26 @@ class LlamaCppBackend(CriticBackend):
     ) -> list[Request]:
         n = self.max_new_tokens
         fits = [self.tokenizer.fitted(template, dict(v), n) for v in values]
-        return [Request(tokens, n, truncated=cut) for tokens, cut in fits]
+        return [Request(tokens, max_new_tokens=n, truncated=cut) for tokens, cut in fits]
 
     def _label_requests(
         self, scale: LabelScale, template: BasePromptTemplate, values: Sequence[Values]
     ) -> list[Request]:
         lead, groups = self.tokenizer.label_ids(scale)
         track = [t for group in groups for t in group]
-        fit = self.tokenizer.fitted
-        return [Request(fit(template, dict(v), 1 + len(lead))[0] + lead, 1, track) for v in values]
+        # Room for the lead tokens and the one label position read after them.
+        fits = [self.tokenizer.fitted(template, dict(v), 1 + len(lead)) for v in values]
+        return [Request(tokens + lead, max_new_tokens=1, track_ids=track) for tokens, _ in fits]
 
     def _generated(self, out: SequenceOutput) -> Generated | Exception:
         if out.error is not None:
             return RuntimeError(out.error)
-        score = sequence_score(out.token_logprobs)
-        return Generated(self._text(out.tokens), score, len(out.tokens), out.truncated)
+        return Generated(
+            text=self._text(out.tokens),
+            seq_score=sequence_score(out.token_logprobs),
+            generated_tokens=len(out.tokens),
+            passage_cut=out.truncated,
+        )
 
     def _text(self, tokens: Sequence[int]) -> str:
         kept = [t for t in tokens if not self.decoder.is_eog(t)]
@@ -276,8 +277,9 @@ class LlamaCppBackend(CriticBackend):
     def _scored(self, out: SequenceOutput, scale: LabelScale) -> Scored | Exception:
         if out.error is not None or len(out.tracked_logprobs) == 0:
             return RuntimeError(out.error or "no logits")
-        label_lps = group_logprobs(out.tracked_logprobs[0], self.tokenizer.label_ids(scale)[1])
-        return Scored(scale.expected_value(label_lps), "logprobs", None, 1)
+        _, groups = self.tokenizer.label_ids(scale)
+        label_lps = group_logprobs(out.tracked_logprobs[0], groups)
+        return Scored(score=scale.expected_value(label_lps), method="logprobs", generated_tokens=1)
 
 
 def group_logprobs(row: Sequence[float] | Any, groups: Sequence[Sequence[int]]) -> list[float]:

@@ -86,7 +86,9 @@ def gguf_template(llama: llama_cpp.Llama) -> Callable[[Sequence[ChatMessage]], s
         return None
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    eos, bos = llama.token_eos(), llama.token_bos()
+    eos = llama.token_eos()
+    bos = llama.token_bos()
+    # A negative id: the model has no such token.
     formatter = Jinja2ChatFormatter(
         template=template,
         eos_token=compat.token_text(llama, eos) if eos >= 0 else "",

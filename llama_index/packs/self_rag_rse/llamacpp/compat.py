@@ -13,6 +13,7 @@ Tested against llama-cpp-python 0.3.x (0.3.16 and later).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,13 @@ TOKEN_ATTR_CONTROL = 8
 MODEL_CLOSED_MESSAGE = (
     "the llama.cpp model was closed (Llama.close() or LlamaCPP._model.close()); "
     "create the engine (or critic) again with an open model"
+)
+
+
+#: The callbacks :func:`on_close` holds per exit stack (one stack per model), all run by one
+#: registration on that stack. Weak keys: an entry goes with its model.
+_CLOSE_CALLBACKS: weakref.WeakKeyDictionary[Any, set[Callable[[], None]]] = (
+    weakref.WeakKeyDictionary()
 )
 
 
@@ -90,8 +98,9 @@ def model_pointer(llama: llama_cpp.Llama) -> Any:
     return _internal_model(llama).model
 
 
-def on_close(llama: llama_cpp.Llama, callback: Callable[[], None]) -> bool:
-    """Run ``callback`` when the ``Llama``'s model is freed, *before* it is freed.
+def on_close(llama: llama_cpp.Llama, callback: Callable[[], None]) -> Callable[[], None]:
+    """Run ``callback`` when the ``Llama``'s model is freed, *before* it is freed; returns the
+    function that withdraws it, for its owner to call when it goes.
 
     llama-cpp-python 0.3.x frees the model through exit stacks, whose callbacks run last-in
     first-out: ``Llama.close()`` closes the Llama's ``_stack``, which ends with
@@ -100,10 +109,15 @@ def on_close(llama: llama_cpp.Llama, callback: Callable[[], None]) -> bool:
     on the model's stack hears both ``Llama.close()`` (``LlamaCPP._model.close()``) and a direct
     ``llama._model.close()``, and runs before the model is freed; releases without that stack
     get the callback on ``Llama._stack``, which hears ``Llama.close()`` only. The callback may
-    block (to let a running decode finish): the model is freed after it returns. Returns False
-    when neither stack exists (then closing is not observed).
+    block (to let a running decode finish): the model is freed after it returns. When neither
+    stack exists closing is not observed, and withdrawing does nothing.
 
-    The stack holds ``callback`` strongly until the model is freed, so it must not reach the
+    However many callbacks are added, one is registered on the model's stack (it runs those not
+    withdrawn): an app that builds an engine per request on one shared model and drops it leaves
+    nothing behind, where each used to leave a callback until the model closed.
+
+    The stack holds ``callback`` strongly until it is withdrawn or the model is freed, so it
+    must not reach the
     ``Llama`` (that would keep it alive) and should not reach its caller through a weak
     reference: when both become garbage together (a script's globals at exit, a reference
     cycle), the garbage collector clears weak references before it frees the model.
@@ -112,9 +126,21 @@ def on_close(llama: llama_cpp.Llama, callback: Callable[[], None]) -> bool:
     if stack is None:
         stack = getattr(llama, "_stack", None)
     if stack is None:
-        return False
-    stack.callback(callback)
-    return True
+        return lambda: None
+    fresh: set[Callable[[], None]] = set()
+    # Atomic, so two threads opening decoders on one model at once register it once.
+    callbacks = _CLOSE_CALLBACKS.setdefault(stack, fresh)
+    if callbacks is fresh:
+        stack.callback(_run_callbacks, callbacks)
+    callbacks.add(callback)
+    return lambda: callbacks.discard(callback)
+
+
+def _run_callbacks(callbacks: set[Callable[[], None]]) -> None:
+    """Run the callbacks :func:`on_close` holds for a model about to be freed."""
+    # A copy: an owner may withdraw its callback from another thread meanwhile.
+    for callback in list(callbacks):
+        callback()
 
 
 def context_params(llama: llama_cpp.Llama) -> Any:

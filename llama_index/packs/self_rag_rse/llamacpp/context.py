@@ -179,15 +179,14 @@ class NativeContext:
         return self.ctx is not None and self.n_cells >= cells and self.n_streams >= sequences
 
     def ensure(self, cells: int, sequences: int = 1, room: tuple[int, int] | None = None) -> None:
-        """Make sure the context holds ``cells`` KV cells (per stream when split) and accepts
-        ``sequences`` sequence ids; a new one (its KV cache empty, :attr:`epoch` moved on) is
-        made big enough for ``room`` (cells, sequences) too, and for the current one, when that
-        much memory is there; else for the bare request.
+        """Replace the context, which does not :meth:`fits` the call (the caller checked), by one
+        that holds ``cells`` KV cells (per stream when split) and accepts ``sequences`` sequence
+        ids; the new one (its KV cache empty, :attr:`epoch` moved on) is made big enough for
+        ``room`` (cells, sequences) too, and for the current one, when that much memory is
+        there; else for the bare request.
 
         Raises :class:`ContextCreationError` when llama.cpp cannot create it.
         """
-        if self.fits(cells, sequences):
-            return
         room_cells, room_sequences = room if room is not None else (cells, sequences)
         # Grown to cover the current context too, so that calls of alternating shapes do not
         # recreate it each time; if that much memory is not there, the bare request may be.
@@ -305,13 +304,15 @@ class NativeContext:
         A unified cache tags those cells with ``dst``; a split one copies ``src``'s whole stream
         (on the next decode: llama.cpp copies full streams only) and drops the rest from ``dst``.
         """
-        lib, mem = self.lib, self._memory()
-        lib.llama_memory_seq_rm(mem, dst, -1, -1)
+        memory = self._memory()
+        # llama.cpp's (memory, seq_id, p0, p1) and (memory, src, dst, p0, p1): positions
+        # [p0, p1), -1 for an open end.
+        self.lib.llama_memory_seq_rm(memory, dst, -1, -1)
         if self.kv_unified:
-            lib.llama_memory_seq_cp(mem, src, dst, 0, length)
+            self.lib.llama_memory_seq_cp(memory, src, dst, 0, length)
         else:
-            lib.llama_memory_seq_cp(mem, src, dst, -1, -1)
-            lib.llama_memory_seq_rm(mem, dst, length, -1)
+            self.lib.llama_memory_seq_cp(memory, src, dst, -1, -1)
+            self.lib.llama_memory_seq_rm(memory, dst, length, -1)
         self.stats.kv_copies += 1
 
     # --- decoding ---------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from llama_index.packs.self_rag_rse.llamacpp.context import (
     Entry,
     NativeContext,
 )
+from llama_index.packs.self_rag_rse.llamacpp.model_calls import traced
 from llama_index.packs.self_rag_rse.llamacpp.plan import MIN_SHARED_TOKENS, Held, Plan, assign, plan
 from llama_index.packs.self_rag_rse.llamacpp.sequences import (
     Request,
@@ -65,13 +66,15 @@ KV_PADDING = 256
 class ConversationSettings:
     """What a conversation needs to know of the decoder that holds it, besides its native context
     (which has ``n_seq_max`` and ``n_batch``): ``n_ctx`` positions per sequence, whether prefixes
-    are shared (see :class:`~llama_index.packs.self_rag_rse.llamacpp.decoder.BatchedDecoder`), and
-    ``check_open``, which raises once the model was closed.
+    are shared (see :class:`~llama_index.packs.self_rag_rse.llamacpp.decoder.BatchedDecoder`),
+    ``check_open`` (raises once the model was closed), the ``model`` and ``text`` traces show.
     """
 
     n_ctx: int
     share_prefixes: bool
     check_open: Callable[[], None]
+    model: str = ""
+    text: Callable[[Sequence[int]], str] = str
 
 
 @dataclass
@@ -81,10 +84,6 @@ class _Prompt:
     request: Request
     tokens: list[int]
     track: NDArray[np.intp]
-
-    @property
-    def max_new(self) -> int:
-        return self.request.max_new_tokens
 
 
 class Conversation:
@@ -122,6 +121,11 @@ class Conversation:
         return dict(self._held), self._epoch
 
     def run(self, requests: Sequence[Request]) -> list[SequenceOutput]:
+        """:meth:`_decode`, each request a model call in traces (:mod:`.model_calls`)."""
+        settings = self._settings
+        return traced(self._decode, requests, model=settings.model, text=settings.text)
+
+    def _decode(self, requests: Sequence[Request]) -> list[SequenceOutput]:
         """Decode every request; outputs come back in request order.
 
         Prompts are decoded ``n_seq_max`` at a time at most; prefixes shared with each other or
@@ -233,15 +237,15 @@ class Conversation:
 
     def _prepare(self, group: list[int], prompts: list[_Prompt]) -> Plan:
         """Plan the group, make room for it, and make sure the context fits it."""
-        native, settings = self._native, self._settings
+        native = self._native
         self._sync()
-        if not settings.share_prefixes and self._held:
+        if not self._settings.share_prefixes and self._held:
             self._forget()  # nothing held is of use, and it takes room
         tokens = [prompts[r].tokens for r in group]
-        generating = {i for i, r in enumerate(group) if prompts[r].max_new > 1}
+        generating = {i for i, r in enumerate(group) if prompts[r].request.max_new_tokens > 1}
         capacity = native.n_seq_max
         while True:
-            group_plan = plan(tokens, self._held, share=settings.share_prefixes)
+            group_plan = plan(tokens, self._held, share=self._settings.share_prefixes)
             n_fresh = len(group) - len(group_plan.claimed)
             if len(self._held) + n_fresh > capacity:
                 victim = self._victim(group_plan)
@@ -280,9 +284,9 @@ class Conversation:
         kept = list(self._held.values()) if held else []
         if native.kv_unified:
             new = sum(len(edge.tokens) for edge in group_plan.edges())
-            generated = sum(prompts[r].max_new for r in group)
+            generated = sum(prompts[r].request.max_new_tokens for r in group)
             return _distinct_cells([h.tokens for h in kept]) + new + generated, native.n_seq_max
-        lengths = [len(prompts[r].tokens) + prompts[r].max_new for r in group]
+        lengths = [len(prompts[r].tokens) + prompts[r].request.max_new_tokens for r in group]
         lengths += [len(h.tokens) for h in kept]
         if not held:
             return max(lengths), len(group)
@@ -300,15 +304,17 @@ class Conversation:
         """Evaluate the plan level by level, then generate for every prompt together."""
         slots = [
             Slot(
-                r,
-                group_plan.seq_of[i],
-                [],
-                len(prompts[r].tokens),
-                prompts[r].request,
-                prompts[r].track,
+                index=r,
+                seq_id=group_plan.seq_of[i],
+                feed=[],
+                pos=len(prompts[r].tokens),
+                request=prompts[r].request,
+                track=prompts[r].track,
             )
             for i, r in enumerate(group)
         ]
+        for slot, evaluated in zip(slots, group_plan.evaluated(len(group)), strict=True):
+            slot.prompt_tokens = evaluated
         try:
             self._start(group_plan, slots)
             for level in group_plan.waves():
@@ -318,7 +324,9 @@ class Conversation:
                 runs: list[Slot] = []
                 for edge, _ in level:
                     if edge.request is None:  # shared by several prompts: evaluate only
-                        runs.append(Slot(-1, edge.seq, list(edge.tokens), edge.start))
+                        runs.append(
+                            Slot(index=-1, seq_id=edge.seq, feed=list(edge.tokens), pos=edge.start)
+                        )
                     else:
                         slot = slots[edge.request]
                         slot.feed, slot.pos = list(edge.tokens), edge.start
@@ -335,7 +343,9 @@ class Conversation:
             p = prompts[slot.index]
             self._held.pop(slot.seq_id, None)
             self._held[slot.seq_id] = Held(
-                [*p.tokens, *slot.tokens[: slot.fed]], slot.logits, p.request.keep
+                tokens=[*p.tokens, *slot.tokens[: slot.fed]],
+                logits=slot.logits,
+                keep=p.request.keep,
             )
 
     def _start(self, group_plan: Plan, slots: list[Slot]) -> None:
@@ -396,7 +406,8 @@ class Conversation:
                 if room <= 0:
                     break
                 n = len(slot.feed)
-                if prefill and not native.kv_unified:  # cut at a multiple of KV_PADDING
+                if prefill and not native.kv_unified:
+                    # Cut at the next multiple of KV_PADDING when both parts are worth a pass.
                     head = KV_PADDING - slot.pos % KV_PADDING
                     n = head if min(head, n - head) >= MIN_SPLIT_TOKENS else n
                 if not native.kv_unified and entries and n > room:
@@ -421,7 +432,8 @@ class Conversation:
             native.decode(entries)
             stats.prompt_tokens += prompt_tokens
             stats.fed_tokens += fed_tokens
-            stats.steps += prompt_tokens == 0
+            if prompt_tokens == 0:  # a generation step: every slot read one new token
+                stats.steps += 1
             for slot, row in readers:
                 greedy_step(slot, native.logits(row), native.is_eog)
                 stats.generated_tokens += 1
@@ -442,6 +454,7 @@ class Conversation:
                 break
             occupant = next((s for s in group if s.seq_id == gap and s is not slot), None)
             held = self._held.get(gap)
+            # A sequence asked to be kept is never overwritten.
             if (occupant is not None and occupant.request.keep) or (held is not None and held.keep):
                 break
             if occupant is not None:
@@ -458,7 +471,9 @@ def _as_deep(live: list[Slot]) -> list[Slot]:
     """The prompt runs to evaluate next on a split cache (see :data:`DEPTH_RATIO`)."""
     deepest = max(s.pos + len(s.feed) for s in live)
     deep = [s for s in live if (s.pos + len(s.feed)) * DEPTH_RATIO >= deepest]
-    n_deep, n_all = sum(len(s.feed) for s in deep), sum(len(s.feed) for s in live)
+    n_deep = sum(len(s.feed) for s in deep)
+    n_all = sum(len(s.feed) for s in live)
+    # Both decodes must be worth a pass over the weights.
     return deep if min(n_deep, n_all - n_deep) >= MIN_SPLIT_TOKENS else live
 
 

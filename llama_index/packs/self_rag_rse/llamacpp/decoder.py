@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import sys
 import threading
 import warnings
@@ -113,10 +114,14 @@ class BatchedDecoder:
         share_prefixes: bool = True,
     ) -> None:
         lib = compat.import_llama_cpp("the batched decoder")
-        counts = dict(n_seq_max=n_seq_max, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads)
-        require_counts("BatchedDecoder", **counts)
+        require_counts(
+            "BatchedDecoder", n_seq_max=n_seq_max, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads
+        )
         if n_batch < n_seq_max:
-            raise ValueError(f"n_batch ({n_batch}) must be >= n_seq_max ({n_seq_max})")
+            raise ValueError(
+                f"n_batch ({n_batch}) must be >= n_seq_max ({n_seq_max}), so that every "
+                "sequence fits one batch: raise n_batch or lower n_seq_max"
+            )
         if compat.is_closed(llm):
             raise compat.ModelClosedError()
         self._llm = llm
@@ -153,6 +158,8 @@ class BatchedDecoder:
             n_ctx=self.n_ctx,
             share_prefixes=share_prefixes,
             check_open=self.check_open,
+            model=os.path.basename(llm.model_path),
+            text=self._text,
         )
         # Re-entrant so code inside a ``conversation`` block may also call
         # ``generate`` (which empties the KV cache; the block's next call notices and re-reads).
@@ -162,8 +169,11 @@ class BatchedDecoder:
         self._carried: tuple[dict[int, Held], int] | None = None
         # Free our context before llama-cpp-python frees the model it points to (its exit
         # stacks run callbacks last-in first-out). The callback holds the context and the lock,
-        # never this decoder or the Llama: see _free_before_model.
-        compat.on_close(llm, functools.partial(_free_before_model, self._native, self._lock))
+        # never this decoder or the Llama (see _free_before_model); it is withdrawn when this
+        # decoder goes (__del__), so decoders built and dropped on one model do not pile up.
+        self._withdraw = compat.on_close(
+            llm, functools.partial(_free_before_model, self._native, self._lock)
+        )
 
     # --- public API ----------------------------------------------------------------------------
 
@@ -205,6 +215,11 @@ class BatchedDecoder:
         with self._lock:
             self.check_open()
             yield
+
+    def _text(self, tokens: Sequence[int]) -> str:
+        """``tokens`` as text, Self-RAG's special tokens shown (what traces show)."""
+        self.check_open()
+        return self._llm.detokenize(list(tokens), special=True).decode("utf-8", errors="replace")
 
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends generation (EOS, EOT, ... as the GGUF declares them)."""
@@ -271,11 +286,16 @@ class BatchedDecoder:
         prefix = [int(t) for t in prefix]
         if not prefix:
             raise ValueError("prefix must hold at least one token (usually BOS)")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        # max_new_tokens is checked with each request (Conversation.run).
         track_array(track_ids, self.n_vocab)  # fail before any work on a bad id
         tail = [int(t) for t in suffix_tail]
-        feeds, truncated = fit_suffixes(self.n_ctx, len(prefix), suffixes, tail, max_new_tokens)
+        feeds, truncated = fit_suffixes(
+            n_ctx=self.n_ctx,
+            prefix_len=len(prefix),
+            suffixes=suffixes,
+            tail=tail,
+            reserve=max_new_tokens,
+        )
         if any(truncated):
             message = (
                 f"{sum(1 for c in truncated if c)} of {len(truncated)} sequence(s) truncated to "
@@ -285,7 +305,13 @@ class BatchedDecoder:
             logger.warning(message)
             warnings.warn(message, stacklevel=2)
         requests = [
-            Request([*prefix, *feed], max_new_tokens, track_ids, stop_ids, truncated=cut)
+            Request(
+                [*prefix, *feed],
+                max_new_tokens=max_new_tokens,
+                track_ids=track_ids,
+                stop_ids=stop_ids,
+                truncated=cut,
+            )
             for feed, cut in zip(feeds, truncated, strict=True)
         ]
         if not requests:
@@ -302,10 +328,7 @@ class BatchedDecoder:
         re-entrant) and the block's next call recreates the context and re-reads what it needs.
         Do not call it from a thread that a running call waits on: it would wait forever.
         """
-        lock = getattr(self, "_lock", None)
-        if lock is None:  # __init__ failed before there was anything to free
-            return
-        with lock:
+        with self._lock:
             self._native.free()
 
     def __enter__(self) -> BatchedDecoder:
@@ -319,6 +342,7 @@ class BatchedDecoder:
         # garbage collection running inside another call of this thread must not block on. At
         # interpreter shutdown the llama_cpp module may already be gone.
         with contextlib.suppress(Exception):
+            self._withdraw()
             self._native.free()
 
 
@@ -331,7 +355,7 @@ def _free_before_model(native: NativeContext, lock: threading.RLock) -> None:
     globals are collected at interpreter exit), the garbage collector clears weak references
     before it runs finalizers, so the model would be freed first and the context orphaned. The
     context references neither the decoder nor the ``Llama``, so holding it keeps neither
-    alive; a decoder dropped earlier leaves only its emptied context here.
+    alive; a decoder withdraws it when it goes.
 
     ``closing`` is set before taking the lock, so a call running in another thread stops at its
     next ``llama_decode`` (raising ModelClosedError) instead of finishing work nobody can use;

@@ -97,6 +97,16 @@ class Plan:
         """Every edge, parents before children."""
         return (edge for level in self.waves() for edge, _ in level)
 
+    def evaluated(self, n: int) -> list[int]:
+        """The prompt tokens evaluated for each of the ``n`` prompts: an edge's count for the
+        first prompt below it (a run several prompts share, once).
+        """
+        counts = [0] * n
+        for edge in self.edges():
+            first = min(leaf.request for leaf in edge.leaves() if leaf.request is not None)
+            counts[first] += len(edge.tokens)
+        return counts
+
     def waves(self) -> Iterator[list[tuple[Edge, Edge | None]]]:
         """Edges with their parent edge (None for a start), one list per tree level: a level
         can be evaluated once the one above it is.
@@ -138,9 +148,18 @@ def plan(prompts: Sequence[Sequence[int]], held: Mapping[int, Held], share: bool
         take = h not in claimed and not held[h].keep
         if take:
             claimed.add(h)
-        starts.append(Start(None, r, h, take, len(prompt)))
+        starts.append(Start(edge=None, request=r, source=h, takeover=take, length=len(prompt)))
     if not share:
-        starts += [Start(Edge(list(prompts[r]), 0, request=r), None, None, False, 0) for r in rest]
+        starts += [
+            Start(
+                edge=Edge(list(prompts[r]), 0, request=r),
+                request=None,
+                source=None,
+                takeover=False,
+                length=0,
+            )
+            for r in rest
+        ]
         return Plan(starts)
 
     root = _Node(0)
@@ -149,7 +168,8 @@ def plan(prompts: Sequence[Sequence[int]], held: Mapping[int, Held], share: bool
         for token in prompts[r][:-1]:
             child = node.children.get(token)
             if child is None:
-                child = node.children[token] = _Node(node.depth + 1)
+                child = _Node(node.depth + 1)
+                node.children[token] = child
             node = child
         node.ends.append(r)
     for h, sequence in held.items():
@@ -175,12 +195,16 @@ def plan(prompts: Sequence[Sequence[int]], held: Mapping[int, Held], share: bool
     tops.sort(key=lambda item: -item[0].depth)
     for node, edge in tops:
         free = next((h for h in node.holders if h not in claimed and not held[h].keep), None)
-        if free is not None:
+        if free is not None:  # continued in place
             claimed.add(free)
-            starts.append(Start(edge, None, free, True, node.depth))
-        else:
+            starts.append(
+                Start(edge=edge, request=None, source=free, takeover=True, length=node.depth)
+            )
+        else:  # a copy of a holder (or from nothing)
             source = node.holders[0] if node.holders else None
-            starts.append(Start(edge, None, source, False, node.depth))
+            starts.append(
+                Start(edge=edge, request=None, source=source, takeover=False, length=node.depth)
+            )
     return Plan(starts)
 
 
@@ -211,6 +235,7 @@ def assign(
     plan_.seq_of = seq_of
     for start in plan_.starts:
         if start.edge is not None:
+            # A prompt continuing a held sequence in place evaluates there.
             _descend(start.edge, start.source if start.takeover else None, seq_of)
     _balance(plan_)
 
@@ -222,6 +247,7 @@ def _descend(edge: Edge, forced: int | None, seq_of: Mapping[int, int]) -> None:
         leaf = max(leaf.children, key=lambda c: (len(c.tokens), -min(_leaf_ids(c, seq_of))))
     edge.seq = forced if forced is not None else seq_of[leaf.request]
     for child in edge.children:
+        # The child whose leaves include this sequence goes on in it; the others copy.
         _descend(child, edge.seq if edge.seq in _leaf_ids(child, seq_of) else None, seq_of)
 
 

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Private-use characters mark where each variable goes in the formatted template.
-_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+_MARK_OPEN = "\ue000"
+_MARK_CLOSE = "\ue001"
 _MARKER = re.compile(f"{_MARK_OPEN}(query_str|context_str|answer_str){_MARK_CLOSE}")
 
 
@@ -138,16 +139,17 @@ class PromptTokenizer:
         own = self.llama.tokenize(paragraph.encode("utf-8"), add_bos=False, special=False)
         keep = len(own) - (len(tokens) - limit)
         for margin in (0, 4, 16, 64):
-            cut = self.llama.detokenize(own[: max(keep - margin, 0)]).decode("utf-8", "ignore")
+            kept = max(keep - margin, 0)
+            cut = self.llama.detokenize(own[:kept]).decode("utf-8", "ignore")
             tokens = self.tokens(template, {**values, "context_str": cut})
             if len(tokens) <= limit:
                 message = (
-                    f"paragraph truncated from {len(own)} to about {max(keep - margin, 0)} tokens "
-                    f"to fit n_ctx={self.n_ctx}: raise n_ctx or send shorter paragraphs"
+                    f"paragraph truncated from {len(own)} to about {kept} tokens to fit "
+                    f"n_ctx={self.n_ctx}: raise n_ctx or send shorter paragraphs"
                 )
                 logger.warning(message)
                 warnings.warn(message, stacklevel=6)
-                return tokens, len(own) - max(keep - margin, 0)
+                return tokens, len(own) - kept
         raise ValueError(
             f"prompt does not fit n_ctx={self.n_ctx} even without the paragraph: "
             "shorten the query or raise n_ctx"
@@ -165,8 +167,12 @@ class PromptTokenizer:
             cached = self._first_ids(scale, [])
             spelt = self.llama.tokenize(scale.labels[0].encode("utf-8"), add_bos=False)
             lead = list(itertools.takewhile(lambda t: not self._piece(t), spelt[:-1]))
-            if not all(cached[1]) and lead and all((after := self._first_ids(scale, lead))[1]):
-                cached = after
+            if not all(cached[1]) and lead:
+                # A label with no id of its own: read the labels after the whitespace tokens
+                # they all start with, when every label has an id there.
+                after = self._first_ids(scale, lead)
+                if all(after[1]):
+                    cached = after
             empty = [label for label, ids in zip(scale.labels, cached[1], strict=True) if not ids]
             if empty:
                 raise ValueError(

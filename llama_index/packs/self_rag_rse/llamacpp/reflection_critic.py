@@ -40,7 +40,7 @@ from llama_index.packs.self_rag_rse.critic.reflection import (
 from llama_index.packs.self_rag_rse.llamacpp import compat
 from llama_index.packs.self_rag_rse.llamacpp.context import DecodeError
 from llama_index.packs.self_rag_rse.llamacpp.conversation import Conversation
-from llama_index.packs.self_rag_rse.llamacpp.sequences import Request, SequenceOutput
+from llama_index.packs.self_rag_rse.llamacpp.sequences import Request, SequenceOutput, failed
 from llama_index.packs.self_rag_rse.llamacpp.worker import DecoderWorker, TextStream
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class ReflectionCritic(BaseCritic):
         self.llm: llama_cpp.Llama = llm
         self.max_new_tokens = max_new_tokens
         #: Id of every Self-RAG special string (13 reflection tokens + 2 paragraph markers).
-        self.token_ids: dict[str, int] = _resolve_token_ids(llm)
+        self.token_ids: dict[str, int] = reflection_token_ids(llm)
         self._reflection_ids = [self.token_ids[t] for t in REFLECTION_TOKENS]
         self._special_ids = frozenset(self.token_ids.values())
         self._worker = DecoderWorker(
@@ -131,9 +131,15 @@ class ReflectionCritic(BaseCritic):
         # One conversation: the answer after [No Retrieval] continues the prompt the gate read.
         with self.decoder.conversation() as conversation:
             if threshold is None:
-                request = Request(prompt, self.max_new_tokens, track, stop_ids=[retrieval_id])
+                request = Request(
+                    prompt,
+                    max_new_tokens=self.max_new_tokens,
+                    track_ids=track,
+                    stop_ids=[retrieval_id],
+                )
             else:
-                request = Request(prompt, 1, track, keep=True)
+                # One token's log-probs; the prompt kept for the answer after [No Retrieval].
+                request = Request(prompt, max_new_tokens=1, track_ids=track, keep=True)
             out = _decoded(conversation, request)
             probability = retrieval_probability(out.tracked_logprobs)
             retrieve = retrieval_id in out.tokens if threshold is None else probability > threshold
@@ -165,23 +171,31 @@ class ReflectionCritic(BaseCritic):
             track_ids=self._reflection_ids,
             suffix_tail=[self.token_ids[PARAGRAPH_CLOSE]],
         )
-        judgements = []
-        for out in outputs:
-            if out.error is not None:
-                judgements.append(ParagraphJudgement("", 0.0, 0.0, 0.0, error=out.error))
-                continue
-            scores = score_generation(
-                out.tracked_logprobs, out.tokens, out.token_logprobs, self._reflection_ids
+        return [self._judgement(out) for out in outputs]
+
+    def _judgement(self, out: SequenceOutput) -> ParagraphJudgement:
+        """The answer ``out`` generated after a paragraph, scored (zeros and ``error`` when its
+        decoding failed).
+        """
+        if out.error is not None:
+            return ParagraphJudgement(
+                answer="", relevance=0.0, support=0.0, utility=0.0, error=out.error
             )
-            judgements.append(
-                ParagraphJudgement(
-                    self._answer_text(out.tokens),
-                    *scores.as_tuple(),
-                    # The paragraph's tokens left out to fit n_ctx, shown in its row.
-                    details={"passage_cut": out.truncated} if out.truncated else {},
-                )
-            )
-        return judgements
+        scores = score_generation(
+            out.tracked_logprobs,
+            generated=out.tokens,
+            token_logprobs=out.token_logprobs,
+            column_ids=self._reflection_ids,
+        )
+        return ParagraphJudgement(
+            answer=self._answer_text(out.tokens),
+            relevance=scores.relevance,
+            support=scores.support,
+            utility=scores.utility,
+            seq_score=scores.seq_score,
+            # The paragraph's tokens left out to fit n_ctx, shown in its row.
+            details={"passage_cut": out.truncated} if out.truncated else {},
+        )
 
     def _generate(self, query: str, on_text: Callable[[str], None] | None = None) -> str:
         """Answer with no evidence: greedy continuation after ``[No Retrieval]`` (``on_text``
@@ -197,7 +211,7 @@ class ReflectionCritic(BaseCritic):
 
     def _answer_request(self, prompt: list[int]) -> Request:
         """The answer with no evidence: greedy continuation after ``[No Retrieval]``."""
-        return Request([*prompt, self.token_ids[NO_RETRIEVAL]], self.max_new_tokens)
+        return Request([*prompt, self.token_ids[NO_RETRIEVAL]], max_new_tokens=self.max_new_tokens)
 
     @dispatcher.span
     async def adecide_retrieval(
@@ -248,7 +262,8 @@ class ReflectionCritic(BaseCritic):
         ids = self.token_ids
         stop_if = None
         if boundary_threshold is not None:
-            threshold, no_retrieval = boundary_threshold, ids[NO_RETRIEVAL]
+            threshold = boundary_threshold  # a float here, for the closure
+            no_retrieval = ids[NO_RETRIEVAL]
 
             def stop_if(token: int, tracked: NDArray[np.float64]) -> bool:
                 return token == no_retrieval and retrieval_probability(tracked) > threshold
@@ -262,7 +277,8 @@ class ReflectionCritic(BaseCritic):
                 continue
             if len(evidence) > room:
                 logger.warning(
-                    "long form: a passage of %d tokens cut to %d to fit n_ctx=%d",
+                    "long form: a passage of %d tokens cut to %d to fit n_ctx=%d (raise n_ctx "
+                    "to keep whole passages)",
                     len(evidence),
                     room,
                     self.decoder.n_ctx,
@@ -271,8 +287,8 @@ class ReflectionCritic(BaseCritic):
             requests.append(
                 Request(
                     [*tokens, ids[PARAGRAPH_CLOSE]],
-                    self.max_new_tokens,
-                    self._reflection_ids,
+                    max_new_tokens=self.max_new_tokens,
+                    track_ids=self._reflection_ids,
                     stop_ids=[ids[RETRIEVAL]],
                     truncated=max(0, len(evidence) - room),
                     stop_if=stop_if,
@@ -280,33 +296,51 @@ class ReflectionCritic(BaseCritic):
             )
         # The KV cache carries over from the last depth: a path's context was read there.
         with self.decoder.conversation(carry_over=True) as conversation:
-            outputs = iter(conversation.run([r for r in requests if r is not None]))
+            decoded = iter(conversation.run([r for r in requests if r is not None]))
+        # None for a branch with no room: it was not decoded.
+        outputs = [next(decoded) if request is not None else None for request in requests]
         return [
-            self._continuation(context, next(outputs) if request is not None else None)
-            for (context, _), request in zip(branches, requests, strict=True)
+            self._continuation(context, out)
+            for (context, _), out in zip(branches, outputs, strict=True)
         ]
 
     def _continuation(self, context: tuple[int, ...], out: SequenceOutput | None) -> Continuation:
         """The segment ``out`` generated after ``context`` and a passage, scored."""
-        if out is None or out.error is not None:
-            error = (
-                f"the path's context ({len(context)} tokens) leaves no room for a passage and "
-                f"{self.max_new_tokens} new tokens in n_ctx={self.decoder.n_ctx}"
-                if out is None
-                else out.error
+        if out is None:  # the branch was not decoded
+            out = failed(
+                f"the path's context ({len(context)} tokens) leaves no room for a passage "
+                f"and {self.max_new_tokens} new tokens in n_ctx={self.decoder.n_ctx}: raise "
+                "n_ctx, or lower max_segments or max_new_tokens",
+                n_tracked=len(self._reflection_ids),
             )
-            return Continuation("", 0.0, 0.0, 0.0, 0.0, error=error, context=context, stop="error")
+        if out.error is not None:
+            return Continuation(
+                answer="",
+                relevance=0.0,
+                support=0.0,
+                utility=0.0,
+                seq_score=0.0,
+                error=out.error,
+                context=context,
+                stop="error",
+            )
         tokens = list(out.tokens)
         stop = "length"
         if out.finish_reason == "stop":
             boundary = tokens.pop() in (self.token_ids[RETRIEVAL], self.token_ids[NO_RETRIEVAL])
             stop = "boundary" if boundary else "eos"
         scores = score_generation(
-            out.tracked_logprobs, tokens, out.token_logprobs[: len(tokens)], self._reflection_ids
+            out.tracked_logprobs,
+            generated=tokens,
+            token_logprobs=out.token_logprobs[: len(tokens)],
+            column_ids=self._reflection_ids,
         )
         return Continuation(
-            " ".join(self._answer_text(tokens).split()),
-            *scores.as_tuple(),
+            answer=" ".join(self._answer_text(tokens).split()),
+            relevance=scores.relevance,
+            support=scores.support,
+            utility=scores.utility,
+            seq_score=scores.seq_score,
             # The passage's tokens left out to fit n_ctx, shown in the segment's row.
             details={"passage_cut": out.truncated} if out.truncated else {},
             tokens=tokens,
@@ -350,7 +384,8 @@ class ReflectionCritic(BaseCritic):
         token, no end of generation, nothing between ``<paragraph>`` and ``</paragraph>`` (the
         model quoting evidence is not part of its answer).
         """
-        opening, closing = self.token_ids[PARAGRAPH_OPEN], self.token_ids[PARAGRAPH_CLOSE]
+        opening = self.token_ids[PARAGRAPH_OPEN]
+        closing = self.token_ids[PARAGRAPH_CLOSE]
         quoting = False
 
         def keep(token: int) -> bool:
@@ -371,7 +406,7 @@ def _decoded(conversation: Conversation, request: Request) -> SequenceOutput:
     return out
 
 
-def _resolve_token_ids(llm: llama_cpp.Llama) -> dict[str, int]:
+def reflection_token_ids(llm: llama_cpp.Llama) -> dict[str, int]:
     """Map every Self-RAG special string to its single token id, or explain what is missing."""
     ids: dict[str, int] = {}
     missing: list[str] = []

@@ -54,7 +54,9 @@ class SequenceOutput:
     ``track_ids[j]`` at generated position ``i`` under the full-vocabulary softmax.
     ``finish_reason`` is ``"stop"`` (end-of-generation or a stop id), ``"length"``
     (``max_new_tokens`` reached) or ``"error"`` (then ``error`` says why and the arrays are
-    empty). ``truncated`` counts suffix tokens dropped to fit the context.
+    empty). ``truncated`` counts suffix tokens dropped to fit the context. ``prompt_tokens``
+    counts the prompt tokens evaluated for this sequence: a prefix it shares with others of the
+    call counts once, on the first of them; one the KV cache held, not at all.
     """
 
     tokens: list[int]
@@ -63,6 +65,7 @@ class SequenceOutput:
     finish_reason: str
     truncated: int = 0
     error: str | None = None
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -80,6 +83,7 @@ class Slot:
     tracked: list[NDArray[np.float64]] = field(default_factory=list)
     finish_reason: str | None = None
     fed: int = 0  # generated tokens evaluated back into the sequence
+    prompt_tokens: int = 0  # prompt tokens evaluated for it (see SequenceOutput)
     logits: NDArray[np.float32] | None = None  # the last logits read (after all fed tokens)
 
     @property
@@ -159,6 +163,7 @@ def output(slot: Slot) -> SequenceOutput:
         ),
         finish_reason=slot.finish_reason,
         truncated=slot.request.truncated,
+        prompt_tokens=slot.prompt_tokens,
     )
 
 

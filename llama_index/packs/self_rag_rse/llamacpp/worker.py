@@ -66,7 +66,10 @@ class DecoderWorker:
         task.add_done_callback(lambda _: pieces.put_nowait(None))
         sent: list[str] = []
         try:
-            while (piece := await pieces.get()) is not None:
+            while True:
+                piece = await pieces.get()
+                if piece is None:  # the decode is done
+                    break
                 sent.append(piece)
                 yield piece
             final = await task

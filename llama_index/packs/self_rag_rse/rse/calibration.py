@@ -77,13 +77,11 @@ def beta_cdf(x: ArrayLike, a: ArrayLike, b: ArrayLike) -> float | FloatArray:
         np.asarray(a, dtype=np.float64),
         np.asarray(b, dtype=np.float64),
     )
-    if not (np.all(a_arr > 0) and np.all(b_arr > 0)):
+    if not np.all((a_arr > 0) & (b_arr > 0) & np.isfinite(a_arr) & np.isfinite(b_arr)):
         raise ValueError(
             "beta_cdf needs shape parameters a > 0 and b > 0 (finite), got "
             f"a={a!r}, b={b!r}: dsRAG uses a=b=0.4 for Cohere and a=0.5, b=1.8 for Voyage"
         )
-    if not (np.all(np.isfinite(a_arr)) and np.all(np.isfinite(b_arr))):
-        raise ValueError(f"beta_cdf needs finite a and b, got a={a!r}, b={b!r}")
     result = np.where(x_arr >= 1.0, 1.0, 0.0)
     result[np.isnan(x_arr)] = np.nan
     inside = (x_arr > 0.0) & (x_arr < 1.0)
@@ -101,9 +99,8 @@ def _regularized_beta(x: FloatArray, a: FloatArray, b: FloatArray) -> FloatArray
     # The fraction for I_x(a, b) converges fast for x < (a+1)/(a+b+2); beyond, use the mirror
     # identity I_x(a, b) = 1 - I_{1-x}(b, a).
     direct = x < (a + 1.0) / (a + b + 2.0)
-    xs = np.where(direct, x, 1.0 - x)
-    aa = np.where(direct, a, b)
-    bb = np.where(direct, b, a)
+    # The fraction's arguments, mirrored where the identity is used.
+    xs, aa, bb = np.where(direct, x, 1.0 - x), np.where(direct, a, b), np.where(direct, b, a)
     fraction = _beta_continued_fraction(xs, aa, bb)
     return np.where(direct, front * fraction / a, 1.0 - front * fraction / b)
 
@@ -118,7 +115,9 @@ def _beta_continued_fraction(x: FloatArray, a: FloatArray, b: FloatArray) -> Flo
         live = np.flatnonzero(active)  # only unconverged elements keep iterating
         if not live.size:
             break
-        xa, aa, bb, ca, da, ha = x[live], a[live], b[live], c[live], d[live], h[live]
+        # The live elements' parameters, and their state of Lentz's method (c, d, h).
+        xa, aa, bb = x[live], a[live], b[live]
+        ca, da, ha = c[live], d[live], h[live]
         m2 = 2.0 * m
         even = m * (bb - m) * xa / ((aa - 1.0 + m2) * (aa + m2))
         odd = -(aa + m) * (aa + bb + m) * xa / ((aa + m2) * (aa + 1.0 + m2))
@@ -207,7 +206,8 @@ def calibrate_spread(scores: ArrayLike) -> FloatArray:
     finite = values[np.isfinite(values)]
     if not finite.size:
         return np.where(values > 0, 1.0, 0.0)
-    top, middle = float(finite.max()), float(np.median(finite))
+    top = float(finite.max())
+    middle = float(np.median(finite))
     if top <= middle:
         return np.where(values >= top, 1.0, 0.0)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -228,7 +228,8 @@ def calibrate_zscore(scores: ArrayLike, spread: float = 2.0) -> FloatArray:
     finite = values[np.isfinite(values)]
     if not finite.size:
         return np.where(values > 0, 1.0, 0.0)
-    mean, deviation = float(finite.mean()), float(finite.std())
+    mean = float(finite.mean())
+    deviation = float(finite.std())
     if deviation == 0.0:
         return np.where(values >= mean, 1.0, 0.0)
     with np.errstate(over="ignore", invalid="ignore"):

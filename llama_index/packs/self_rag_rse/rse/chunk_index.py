@@ -20,6 +20,11 @@ Indices are positions in the whole document, so :class:`ChunkIndexer` must see w
 (it runs right after the splitter). A call holding only part of one (nodes ingested in batches
 after splitting) is numbered only as far as its offsets and links vouch for; where they cannot,
 it is an error that names the fix, never a second chunk 0.
+
+Given the documents themselves (``ChunkIndexer(documents=documents)``), it also puts every chunk
+at its own copy of its text (splitters place a chunk by searching its text, which lands on an
+earlier copy where the text repeats) and marks the offsets checked
+(:mod:`~llama_index.packs.self_rag_rse.context.placement`), so RSE trusts them in repeated text.
 """
 
 from __future__ import annotations
@@ -29,10 +34,10 @@ import hashlib
 import itertools
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from llama_index.core.bridge.pydantic import Field
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.schema import (
     BaseNode,
     Document,
@@ -41,6 +46,9 @@ from llama_index.core.schema import (
     TransformComponent,
 )
 
+from llama_index.packs.self_rag_rse.common.options import pydantic_fields, reject_unknown
+from llama_index.packs.self_rag_rse.context.keys import OFFSETS_CHECKED_KEY
+from llama_index.packs.self_rag_rse.context.placement import place_chunks
 from llama_index.packs.self_rag_rse.rse.node_fields import char_span, chunk_index, link, source_hash
 from llama_index.packs.self_rag_rse.rse.stitching import MAX_LINKED_GAP, MAX_STRIPPED_GAP
 
@@ -52,8 +60,6 @@ CHUNK_VERSION_KEY = "chunk_version"
 
 #: Namespace of :func:`stable_chunk_id` (a fixed, random UUID: ids never change between releases).
 STABLE_ID_NAMESPACE = uuid.UUID("c0e4e7a6-5d84-4340-98bf-02103002f0f7")
-
-_NEXT, _PREVIOUS = NodeRelationship.NEXT, NodeRelationship.PREVIOUS
 
 
 def stable_chunk_id(doc_id: str, index: int) -> str:
@@ -91,6 +97,16 @@ class ChunkIndexer(TransformComponent):
     The version is the document's hash as the splitter recorded it on the SOURCE relationship
     (``document.hash``), or a hash of the document's chunk texts when there is none.
 
+    ``documents``: the documents the chunks were cut from (what the pipeline is run on; matched
+    by document id). The splitter's offsets come from searching each chunk's text, which lands
+    on an earlier copy where the text repeats; with its document at hand, each chunk of a whole
+    document is put at its own copy and marked ``chunk_offsets_checked``, when every chunk can
+    be (:func:`~llama_index.packs.self_rag_rse.context.placement.place_chunks`), so RSE cuts
+    overlaps and refills gaps by them even in repeated text. Otherwise (no documents, a
+    document not given, a call holding part of one, another version's text) the splitter's
+    offsets are kept, and RSE joins whole the chunks whose boundary repeated text could explain
+    another way.
+
     With ``stable_ids=True`` every numbered node is also renamed to
     :func:`stable_chunk_id` of its document and index, and the relationships (NEXT, PREVIOUS,
     PARENT, CHILD) of the nodes in the same call are rewritten to the new ids; a NEXT/PREVIOUS
@@ -103,9 +119,14 @@ class ChunkIndexer(TransformComponent):
     Example::
 
         pipeline = IngestionPipeline(
-            transformations=[SentenceSplitter(), ChunkIndexer(stable_ids=True), embed_model],
+            transformations=[
+                SentenceSplitter(),
+                ChunkIndexer(stable_ids=True, documents=documents),
+                embed_model,
+            ],
             vector_store=vector_store,
         )
+        pipeline.run(documents=documents)
     """
 
     key: str = Field(
@@ -123,6 +144,20 @@ class ChunkIndexer(TransformComponent):
             "between hits by id."
         ),
     )
+
+    _texts: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    def __init__(self, *, documents: Iterable[BaseNode] | None = None, **kwargs: Any) -> None:
+        # Pydantic would drop a misspelt option silently and use its default.
+        reject_unknown(type(self).__name__, kwargs, pydantic_fields(type(self)) | {"documents"})
+        super().__init__(**kwargs)
+        self._texts = {document.node_id: document.get_content() for document in documents or ()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Core unpickles by calling __init__ again without documents= (IngestionPipeline's
+        # workers, num_workers > 1): keep the texts that were pickled.
+        super().__setstate__(state)
+        self._texts = (state.get("__pydantic_private__") or {}).get("_texts", {})
 
     @classmethod
     def class_name(cls) -> str:
@@ -143,6 +178,8 @@ class ChunkIndexer(TransformComponent):
             ordered = _in_order(members)
             indices, whole = self._number(doc_id, ordered)
             fallback = _text_hash(ordered) if whole else None
+            if whole and doc_id in self._texts:
+                place_chunks(self._texts[doc_id], ordered)
             for node, index in zip(ordered, indices, strict=True):
                 version = source_hash(node) or fallback or node.metadata.get(CHUNK_VERSION_KEY)
                 self._stamp(node, index, version)
@@ -162,7 +199,7 @@ class ChunkIndexer(TransformComponent):
         if version is not None:
             node.metadata[CHUNK_VERSION_KEY] = version
         for excluded in (node.excluded_embed_metadata_keys, node.excluded_llm_metadata_keys):
-            for key in (self.key, CHUNK_VERSION_KEY):
+            for key in (self.key, CHUNK_VERSION_KEY, OFFSETS_CHECKED_KEY):
                 if key not in excluded:
                     excluded.append(key)
 
@@ -175,7 +212,8 @@ class ChunkIndexer(TransformComponent):
         indices = [0]
         problem = _missing_start(ordered, ids)
         for left, right in itertools.pairwise(ordered):
-            after, before = link(left, _NEXT), link(right, _PREVIOUS)
+            after = link(left, NodeRelationship.NEXT)
+            before = link(right, NodeRelationship.PREVIOUS)
             outside = [i for i in (after, before) if i is not None and i not in ids]
             if not outside or after == right.node_id or before == left.node_id:
                 indices.append(indices[-1] + 1)
@@ -190,7 +228,9 @@ class ChunkIndexer(TransformComponent):
                 )
         if problem is None:
             leads_out = any(
-                link(n, r) not in (None, *ids) for n in ordered for r in (_NEXT, _PREVIOUS)
+                link(n, r) not in (None, *ids)
+                for n in ordered
+                for r in (NodeRelationship.NEXT, NodeRelationship.PREVIOUS)
             )
             return indices, not leads_out
         stamped = [chunk_index(node, self.key) for node in ordered]
@@ -255,10 +295,14 @@ def _in_order(members: list[tuple[int, BaseNode]]) -> list[BaseNode]:
 def _missing_start(ordered: list[BaseNode], ids: set[str]) -> str | None:
     """Why the call does not hold the document's first chunk, or ``None`` when it may."""
     first = ordered[0]
-    before = link(first, _PREVIOUS)
+    before = link(first, NodeRelationship.PREVIOUS)
     if before is not None and before not in ids:
         return f"its first chunk here, {first.node_id!r}, links PREVIOUS to {before!r}"
-    if any(link(n, r) is not None for n in ordered for r in (_NEXT, _PREVIOUS)):
+    if any(
+        link(n, r) is not None
+        for n in ordered
+        for r in (NodeRelationship.NEXT, NodeRelationship.PREVIOUS)
+    ):
         return None  # linked chunks, and the first links to no predecessor: it is the first
     if len(ordered) == 1:
         return None  # splitters link chunks that have neighbours: a lone one is the document
@@ -301,7 +345,7 @@ def _rename(nodes: Sequence[BaseNode], numbered: dict[str, tuple[str, int]]) -> 
     for node in nodes:
         place = numbered.get(node.node_id)
         for relation, related in list(node.relationships.items()):
-            step = 1 if relation == _NEXT else -1 if relation == _PREVIOUS else 0
+            step = {NodeRelationship.NEXT: 1, NodeRelationship.PREVIOUS: -1}.get(relation, 0)
             if isinstance(related, list):
                 node.relationships[relation] = [moved(info, None, 0) for info in related]
             else:

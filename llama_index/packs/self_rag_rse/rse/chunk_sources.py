@@ -94,17 +94,13 @@ class ChunkSource:
                 assert self.docstore is not None
                 infos = {d: self.docstore.get_ref_doc_info(d) for d in request.doc_ids}
                 return {d: list(i.node_ids) for d, i in infos.items() if i is not None}
-            if request.kind == "node_ids":
-                if self.docstore is not None:
-                    return self.docstore.get_nodes(request.node_ids, raise_error=False)
-                assert self.vector_store is not None
-                direct = direct_reader(self.vector_store)
-                if direct is not None:
-                    return direct(request.node_ids)
-                return self.vector_store.get_nodes(node_ids=request.node_ids)
+            if request.kind == "node_ids" and self.docstore is not None:
+                return self.docstore.get_nodes(request.node_ids, raise_error=False)
             assert self.vector_store is not None
-            filters, limit = self._filters(request)
-            return self.vector_store.get_nodes(filters=filters, **self._limit(limit))
+            direct = direct_reader(self.vector_store) if request.kind == "node_ids" else None
+            if direct is not None:
+                return direct(request.node_ids)
+            return self.vector_store.get_nodes(**self._arguments(request))
         except Exception as error:  # a store's own failure must not lose the query
             return self._failed(request, error)
 
@@ -121,17 +117,17 @@ class ChunkSource:
                 assert self.docstore is not None
                 infos = {d: await self.docstore.aget_ref_doc_info(d) for d in request.doc_ids}
                 return {d: list(i.node_ids) for d, i in infos.items() if i is not None}
-            if request.kind == "node_ids":
-                if self.docstore is not None:
-                    return await self.docstore.aget_nodes(request.node_ids, raise_error=False)
-                assert self.vector_store is not None
-                direct = direct_reader(self.vector_store, asynchronous=True)
-                if direct is not None:
-                    return await direct(request.node_ids)
-                return await self.vector_store.aget_nodes(node_ids=request.node_ids)
+            if request.kind == "node_ids" and self.docstore is not None:
+                return await self.docstore.aget_nodes(request.node_ids, raise_error=False)
             assert self.vector_store is not None
-            filters, limit = self._filters(request)
-            return await self.vector_store.aget_nodes(filters=filters, **self._limit(limit))
+            direct = (
+                direct_reader(self.vector_store, asynchronous=True)
+                if request.kind == "node_ids"
+                else None
+            )
+            if direct is not None:
+                return await direct(request.node_ids)
+            return await self.vector_store.aget_nodes(**self._arguments(request))
         except Exception as error:
             return self._failed(request, error)
 
@@ -143,18 +139,23 @@ class ChunkSource:
         accepted = store is not None and "limit" in inspect.signature(store.get_nodes).parameters
         return {"limit": limit} if limit is not None and accepted else {}
 
-    def _filters(self, request: ChunkRequest) -> tuple[MetadataFilters, int | None]:
+    def _arguments(self, request: ChunkRequest) -> dict[str, Any]:
+        """The keyword arguments of the vector store's ``get_nodes`` for ``request``: the ids,
+        or a metadata filter.
+        """
+        if request.kind == "node_ids":
+            return {"node_ids": request.node_ids}
         if request.kind == "documents":
-            return (
-                MetadataFilters(
+            return {
+                "filters": MetadataFilters(
                     filters=[
                         MetadataFilter(
                             key=DOC_ID_KEY, value=request.doc_ids, operator=FilterOperator.IN
                         )
                     ]
                 ),
-                request.limit,
-            )
+                **self._limit(request.limit),
+            }
         if request.kind == "chunk_indices":
             per_document: list[MetadataFilter | MetadataFilters] = [
                 MetadataFilters(
@@ -171,7 +172,10 @@ class ChunkSource:
             # Room for copies of a chunk that re-ingests without stable ids left behind: they
             # must all come back to be told apart, not one of them taken by chance.
             needed = sum(len(v) for v in request.indices.values()) * MAX_COPIES_READ
-            return MetadataFilters(filters=per_document, condition=FilterCondition.OR), needed
+            return {
+                "filters": MetadataFilters(filters=per_document, condition=FilterCondition.OR),
+                **self._limit(needed),
+            }
         raise ValueError(f"unknown chunk request kind {request.kind!r}")
 
     def _by_docstore(self, request: ChunkRequest) -> bool:

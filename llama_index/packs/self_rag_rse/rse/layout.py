@@ -31,6 +31,7 @@ from llama_index.packs.self_rag_rse.rse.ordering import (
     document_order,
     group_by_document,
     linked,
+    listed_in_order,
     orderable,
     positions_from_links,
     run_breaks,
@@ -211,7 +212,8 @@ class DocumentLayout:
             same = [n for n in candidates if node_version(n, CHUNK_VERSION_KEY) == wanted]
             candidates = same if wanted is not None and same else candidates
         if len(candidates) > 1:
-            before, after = self.held.get(position - 1), self.held.get(position + 1)
+            before = self.held.get(position - 1)
+            after = self.held.get(position + 1)
             tied = [
                 n
                 for n in candidates
@@ -259,8 +261,9 @@ def lay_out(
 
     A generator that yields the reads it needs (answer each with the store's reply) and
     returns the layouts, asking the stores only what the nodes do not say: stamped chunk
-    indices first, then the docstore's record of each document, then the vector store's nodes
-    of the documents still unplaced, then links between the hits. A document nothing orders is
+    indices first, then the docstore's record of each document (read back and ordered by offsets,
+    or links, where the hits show it out of order), then the vector store's nodes of the
+    documents still unplaced, then links between the hits. A document nothing orders is
     absent from the result. A stamped index that is no chunk position (negative, fractional,
     infinite) is a ``ValueError``; two hits stamped with one index are a conflict: the better
     ranked is placed, the other is listed in ``conflicts``.
@@ -273,6 +276,13 @@ def lay_out(
     if source.supports("ref_doc_ids"):
         # Asked for indexed documents too: the docstore then serves their gap reads by id.
         answer: dict[str, list[str]] = yield ChunkRequest("ref_doc_ids", doc_ids=list(docs))
+        shuffled = [d for d, ids in answer.items() if not listed_in_order(ids, docs.get(d, []))]
+        if shuffled:
+            # Out of document order (nodes deleted and inserted again): read them, order them.
+            wanted = [node_id for doc_id in shuffled for node_id in answer[doc_id]]
+            read: list[BaseNode] = yield ChunkRequest("node_ids", node_ids=wanted)
+            for doc_id, members in group_by_document(read).items():
+                answer[doc_id] = [n.node_id for n in document_order(members)]
         for doc_id, ids in answer.items():
             if doc_id not in docs:
                 continue
@@ -287,8 +297,8 @@ def lay_out(
     pending = [d for d in docs if d not in layouts]
     if pending and source.supports("documents"):
         limit = max_document_chunks * len(pending)
-        read: list[BaseNode] = yield ChunkRequest("documents", doc_ids=pending, limit=limit)
-        for doc_id, members in group_by_document(read).items():
+        found: list[BaseNode] = yield ChunkRequest("documents", doc_ids=pending, limit=limit)
+        for doc_id, members in group_by_document(found).items():
             if doc_id not in pending or len(members) > max_document_chunks:
                 continue
             order = by_version(document_order(members), docs[doc_id])
@@ -366,7 +376,8 @@ def read_missing(
     for doc_id, positions in missing.items():
         layout = layouts[doc_id]
         if layout.slots is not None:
-            by_id.extend(node_id for p in sorted(positions) if (node_id := layout.slots[p]))
+            listed = [layout.slots[position] for position in sorted(positions)]
+            by_id.extend(node_id for node_id in listed if node_id)  # None: a chunk the list lacks
         elif layout.stable_ids:
             stable[doc_id] = {stable_chunk_id(doc_id, p): p for p in sorted(positions)}
             by_id.extend(stable[doc_id])
@@ -400,10 +411,12 @@ def place_read(
         layout = layouts.get(node.ref_doc_id or "") if node is not None else None
         if layout is None or layout.doc_id not in missing:
             continue
-        if layout.slots is not None:
-            position = layout.positions.get(node.node_id)
-        else:
-            position = chunk_index(node, CHUNK_INDEX_KEY)
+        # Where the store listed the document, its list places the node; else its stamped index.
+        position = (
+            layout.positions.get(node.node_id)
+            if layout.slots is not None
+            else chunk_index(node, CHUNK_INDEX_KEY)
+        )
         if position is not None and position in missing[layout.doc_id]:
             claims.setdefault((layout.doc_id, position), []).append(node)
     for (doc_id, position), claimants in sorted(claims.items(), key=lambda c: c[0][1]):

@@ -1,4 +1,5 @@
-"""What RSE reads off a node, checked once: its chunk index, its document version, its offsets.
+"""What RSE reads off a node, checked once: its chunk index, its document version, its offsets
+(and whether they were checked against the document).
 
 These values come from outside (a store's payload, a user's pipeline, a hand-built node), so any
 of them can be a float, NaN, infinity, a string or a numpy array. Each reader returns a value the
@@ -15,6 +16,8 @@ from typing import Any
 
 import numpy as np
 from llama_index.core.schema import BaseNode, NodeRelationship
+
+from llama_index.packs.self_rag_rse.context.keys import OFFSETS_CHECKED_KEY
 
 
 def chunk_index(node: BaseNode, key: str, *, strict: bool = False) -> int | None:
@@ -94,6 +97,13 @@ def char_span(node: BaseNode) -> tuple[int | None, int | None]:
     return _offset(getattr(node, "start_char_idx", None)), _offset(
         getattr(node, "end_char_idx", None)
     )
+
+
+def offsets_checked(node: BaseNode) -> bool:
+    """Whether ``node``'s offsets were found again in its document's text at ingestion
+    (``ChunkIndexer(documents=...)`` or ``DocumentSectioner``): true even where the text repeats.
+    """
+    return node.metadata.get(OFFSETS_CHECKED_KEY) is True
 
 
 def off_span(node: BaseNode) -> bool:

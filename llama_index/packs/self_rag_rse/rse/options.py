@@ -3,7 +3,10 @@
 The options are pydantic fields checked by validators, with ``validate_assignment``: every check
 runs at construction and again whenever an option is set later (``rse.max_length = 0``
 raises), and a failed assignment leaves the option as it was. Messages name the option and what
-to pass. Options left ``None`` take their dsRAG preset's value (:func:`~.values.get_preset`).
+to pass. Options left ``None`` take their dsRAG preset's value (:func:`~.values.get_preset`),
+except ``minimum_value`` and ``calibration``, whose defaults come with the selection policy the
+postprocessor picks per call (:mod:`~.selection`: dsRAG's chunk counts, or a context budget). No
+option here depends on the search code: the budget's limits come from :mod:`~.values`.
 """
 
 from __future__ import annotations
@@ -20,13 +23,8 @@ from llama_index.core.bridge.pydantic import (
 )
 
 from llama_index.packs.self_rag_rse.common.options import require_finite
-from llama_index.packs.self_rag_rse.rse.budget import MAX_BUDGET
 from llama_index.packs.self_rag_rse.rse.calibration import DEFAULT_COSINE_RANGE, check_calibration
-from llama_index.packs.self_rag_rse.rse.context_budget import CHARS_PER_TOKEN
-from llama_index.packs.self_rag_rse.rse.values import get_preset
-
-#: ``minimum_value`` under a budget when none is given: weaker hits come by the fill, in rank order.
-BUDGET_MINIMUM_VALUE = 1.0
+from llama_index.packs.self_rag_rse.rse.values import CHARS_PER_TOKEN, MAX_BUDGET, get_preset
 
 #: Options that count something, and what to pass instead of a bad value.
 _COUNTS = {
@@ -58,13 +56,23 @@ class SegmentOptions(BaseModel):
         default=None, description="Most chunks over all segments returned."
     )
     minimum_value: float | None = Field(
-        default=None, description="A segment's least worth (None: its preset's; 1.0 with a budget)."
+        default=None,
+        description=(
+            "A segment's least worth: a segment the search finds worth less is not returned "
+            "(None: its preset's; 1.0 under a context budget, where weaker hits come in by the "
+            "fill, in rank order)."
+        ),
     )
     irrelevant_chunk_penalty: float | None = Field(
         default=None,
         description=(
-            "Subtracted from every chunk's value. Higher gives shorter, fewer segments; "
-            "0 lets segments grow to max_length through unretrieved chunks."
+            "Subtracted from every chunk's value (a chunk nobody retrieved is worth minus this), "
+            "so it prices each weak chunk a segment runs through: it sets how long segments "
+            "grow. In dsRAG's experience, in chunks per segment: about 0.05 lets segments run "
+            "very long (20 to 50); 0.1 long (10 to 20); 0.2 medium (4 to 10: the presets' 0.18 "
+            "and 0.2 sit here); 0.3 short (2 to 6); 0.4 and above, very short (1 to 3: little "
+            "more than the hits). Higher also means fewer segments; 0 lets segments grow to "
+            "max_length through unretrieved chunks. None: the preset's."
         ),
     )
     decay_rate: float | None = Field(
@@ -120,16 +128,25 @@ class SegmentOptions(BaseModel):
             "what is left with the best remaining hits; None keeps dsRAG's chunk counts."
         ),
     )
-    keep_top_hits: int = Field(default=1, ge=0, strict=True, description=(
-        "Under a context budget: the best this-many hits are always in the context (as far as "
-        "they fit together), and the segments worth most are chosen among those that hold them. "
-        "0: the search alone decides. Default 1: neighbours never displace the best hit."
-    ))  # fmt: skip
-    partial_fill: bool = Field(default=True, description=(
-        "Under a budget, when no remaining hit fits whole: part of the best one (at least 100 "
-        "characters, cut at a word boundary, no overlap given twice) fills what is left, marked "
-        "`segment_partial`. False: only whole chunks."
-    ))  # fmt: skip
+    keep_top_hits: int = Field(
+        default=1,
+        ge=0,
+        strict=True,
+        description=(
+            "Under a context budget: the best this-many hits are always in the context (as far "
+            "as they fit together), and the segments worth most are chosen among those that "
+            "hold them. 0: the search alone decides. Default 1: a segment of neighbours never "
+            "displaces the best hit."
+        ),
+    )
+    partial_fill: bool = Field(
+        default=True,
+        description=(
+            "Under a budget, when no remaining hit fits whole: part of the best one (at least 100 "
+            "characters, cut at a word boundary, no overlap given twice) fills what is left, "
+            "marked `segment_partial`. False: only whole chunks."
+        ),
+    )
     max_context_tokens: int | None = Field(
         default=None, description="The same budget in tokens, counted with `tokenizer`."
     )
@@ -156,14 +173,21 @@ class SegmentOptions(BaseModel):
     @classmethod
     def _count(cls, value: Any, read: Callable[[Any], Any], info: ValidationInfo) -> Any:
         name = str(info.field_name)
-        value = value if isinstance(value, bool) else read(value)  # pydantic reads True as 1
-        if value is not None and (isinstance(value, bool) or value < 1):
+        if not isinstance(value, bool):  # pydantic would read True as 1
+            value = read(value)
+        if value is None:
+            return value
+        if isinstance(value, bool) or value < 1:
             raise ValueError(
                 f"{name} must be a positive integer, got {value!r}: pass {_COUNTS[name]}"
             )
-        limit, unit = _LIMITS.get(name, (value, ""))
-        if value is not None and value > limit:
-            raise ValueError(f"{name} must be at most {limit:,} {unit}, got {value:,}")
+        if name in _LIMITS:
+            limit, unit = _LIMITS[name]
+            if value > limit:
+                raise ValueError(
+                    f"{name} must be at most {limit:,} {unit}, got {value:,}: pass a smaller "
+                    "budget (the memory of the search grows with it)"
+                )
         return value
 
     @field_validator("preset", "calibration")
@@ -204,17 +228,24 @@ class SegmentOptions(BaseModel):
                 f"tokenizer must be a callable text -> tokens, got {type(tokenizer).__name__}: "
                 "pass e.g. tiktoken.get_encoding('cl100k_base').encode"
             )
-        if tokenizer is not None and given.get("max_context_tokens", 0) is None:
+        # At construction, a tokenizer is checked before max_context_tokens is seen (absent):
+        # only a limit known to be None is missing.
+        tokens_unset = "max_context_tokens" in given and given["max_context_tokens"] is None
+        if tokenizer is not None and tokens_unset:
             raise ValueError(
                 "tokenizer counts max_context_tokens, which is not set: pass "
                 "max_context_tokens=N with it (max_context_chars counts characters), or drop "
                 "tokenizer"
             )
-        budget = {given.get("max_context_chars"), given.get("max_context_tokens")} - {None}
-        if budget and given.get("output", "segments") != "segments":
+        budget_set = (
+            given.get("max_context_chars") is not None
+            or given.get("max_context_tokens") is not None
+        )
+        if budget_set and given.get("output", "segments") != "segments":
             raise ValueError(
                 "a context budget (max_context_chars / max_context_tokens) needs "
-                "output='segments': member chunks repeat their overlap, which the budget cuts"
+                "output='segments': member chunks repeat their overlap, which the budget cuts. "
+                "Pass output='segments' (the default), or leave the budget out"
             )
         return value
 
@@ -223,17 +254,7 @@ class SegmentOptions(BaseModel):
         """Whether a context budget is set (the segments are then sized to it)."""
         return self.max_context_chars is not None or self.max_context_tokens is not None
 
-    @property
-    def relevance_calibration(self) -> Any:
-        """The calibration in use: the one given, else 'spread' under a budget, else
-        'cosine_adaptive'.
-        """
-        if self.calibration is not None:
-            return self.calibration
-        return "spread" if self.budgeted else "cosine_adaptive"
-
     def _param(self, name: str) -> Any:
+        """Option ``name`` as given, else its preset's value."""
         value = getattr(self, name)
-        if value is None and name == "minimum_value" and self.budgeted:
-            return BUDGET_MINIMUM_VALUE
         return getattr(get_preset(self.preset), name) if value is None else value

@@ -17,7 +17,12 @@ from collections.abc import Iterable, Sequence
 from llama_index.core.schema import BaseNode, NodeRelationship
 
 from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_VERSION_KEY
-from llama_index.packs.self_rag_rse.rse.node_fields import char_span, link, node_version
+from llama_index.packs.self_rag_rse.rse.node_fields import (
+    char_span,
+    link,
+    node_version,
+    offsets_checked,
+)
 from llama_index.packs.self_rag_rse.rse.stitching import find_breaks, suspect_offsets
 
 
@@ -69,7 +74,7 @@ def by_version(ordered: Sequence[BaseNode], hits: Sequence[BaseNode]) -> list[Ba
     Sorting two versions by offset interleaves them (both have a chunk at every offset); no
     segment may mix versions, and the chunks between two hits are of the hits' version.
     """
-    if len({node_version(n, CHUNK_VERSION_KEY) for n in ordered}) <= 1:
+    if len({node_version(n, CHUNK_VERSION_KEY) for n in ordered}) <= 1:  # one version
         return list(ordered)
     wanted = list(dict.fromkeys(node_version(h, CHUNK_VERSION_KEY) for h in hits))
     grouped: dict[str | None, list[BaseNode]] = {v: [] for v in wanted}
@@ -89,10 +94,11 @@ def adjacent(left: BaseNode, right: BaseNode) -> bool:
     if linked(left, right):
         return True
     # Overlapping or touching character spans: the splitter put these chunks side by side.
-    (first, end), (start, _) = char_span(left), char_span(right)
-    if first is None or end is None or start is None:
+    left_start, left_end = char_span(left)
+    right_start, _ = char_span(right)
+    if left_start is None or left_end is None or right_start is None:
         return False
-    return bool(first <= start <= end)
+    return bool(left_start <= right_start <= left_end)
 
 
 def positions_from_links(members: Sequence[BaseNode]) -> dict[str, int]:
@@ -126,13 +132,25 @@ def linked(left: BaseNode, right: BaseNode) -> bool:
 
 
 def link_conflict(left: BaseNode, right: BaseNode) -> str | None:
-    """Why links forbid joining ``left`` and ``right`` (one names another node), or ``None``."""
+    """Why links forbid joining ``left`` and ``right`` (one names another node), or ``None``.
+
+    The store's order put them side by side, so the reason names a cause of a wrong order: a
+    docstore lists a chunk deleted and inserted again (``delete_nodes``, ``insert_nodes``)
+    last, wherever it stands in the text.
+    """
     after = link(left, NodeRelationship.NEXT)
     if after is not None and after != right.node_id:
-        return f"{left.node_id} links NEXT to {after}, not to {right.node_id}"
+        return (
+            f"{left.node_id} links NEXT to {after}, not to {right.node_id}, which the store's "
+            "order puts after it (e.g. a docstore lists a chunk deleted and inserted again last)"
+        )
     before = link(right, NodeRelationship.PREVIOUS)
     if before is not None and before != left.node_id:
-        return f"{right.node_id} links PREVIOUS to {before}, not to {left.node_id}"
+        return (
+            f"{right.node_id} links PREVIOUS to {before}, not to {left.node_id}, which the "
+            "store's order puts before it (e.g. a docstore lists a chunk deleted and inserted "
+            "again last)"
+        )
     return None
 
 
@@ -140,12 +158,14 @@ def version_conflict(left: BaseNode, right: BaseNode) -> str | None:
     """Why ``left`` and ``right`` are of different versions of their document, or ``None``
     (also when either version is unknown).
     """
-    a, b = node_version(left, CHUNK_VERSION_KEY), node_version(right, CHUNK_VERSION_KEY)
-    if a is None or b is None or a == b:
+    left_version = node_version(left, CHUNK_VERSION_KEY)
+    right_version = node_version(right, CHUNK_VERSION_KEY)
+    if left_version is None or right_version is None or left_version == right_version:
         return None
     return (
         f"{left.node_id} and {right.node_id} come from different versions of the document "
-        f"({a[:12]} and {b[:12]}): a re-ingest left chunks of an older version in the store"
+        f"({left_version[:12]} and {right_version[:12]}): a re-ingest left chunks of an older "
+        "version in the store"
     )
 
 
@@ -157,10 +177,14 @@ def join_conflict(left: BaseNode, right: BaseNode) -> str | None:
     """
     if (conflict := version_conflict(left, right) or link_conflict(left, right)) is not None:
         return conflict
-    (a, _), (b, _) = char_span(left), char_span(right)
-    if a is None or b is None or b > a:
+    left_start, _ = char_span(left)
+    right_start, _ = char_span(right)
+    if left_start is None or right_start is None or right_start > left_start:
         return None
-    return f"{right.node_id} starts at character {b}, not after {left.node_id} ({a})"
+    return (
+        f"{right.node_id} starts at character {right_start}, not after {left.node_id} "
+        f"({left_start})"
+    )
 
 
 def run_breaks(nodes: Sequence[BaseNode]) -> tuple[dict[int, str], list[bool]]:
@@ -175,7 +199,8 @@ def run_breaks(nodes: Sequence[BaseNode]) -> tuple[dict[int, str], list[bool]]:
     """
     texts = [n.get_content() for n in nodes]
     spans = [char_span(n) for n in nodes]
-    suspect = suspect_offsets(texts, spans)
+    checked = [offsets_checked(n) for n in nodes]
+    suspect = suspect_offsets(texts, spans, checked)
     found: dict[int, str] = {}
     start = 0
     for i in range(1, len(nodes) + 1):
@@ -185,12 +210,39 @@ def run_breaks(nodes: Sequence[BaseNode]) -> tuple[dict[int, str], list[bool]]:
         # Stitch the stretch the links allow; the suspects come from the whole window.
         piece = slice(start, i)
         links = [False] + [linked(a, b) for a, b in itertools.pairwise(nodes[piece])]
-        for found_break in find_breaks(texts[piece], spans[piece], links, suspect[piece]):
+        found_breaks = find_breaks(
+            texts[piece],
+            spans[piece],
+            links,
+            distrust=suspect[piece],
+            checked=checked[piece],
+        )
+        for found_break in found_breaks:
             found[start + found_break.index - 1] = found_break.reason
         if conflict is not None:
             found[i - 1] = conflict
         start = i
     return found, suspect
+
+
+def listed_in_order(ids: Sequence[str], hits: Iterable[BaseNode]) -> bool:
+    """Whether a store's list of a document's node ids agrees with what the ``hits`` say of
+    their order: each hit's NEXT/PREVIOUS neighbour, where listed, right after/before it, and
+    the hits listed in the order of their offsets.
+
+    A docstore lists a document's nodes in the order they were added: one deleted and inserted
+    again (``delete_nodes`` + ``insert_nodes``) comes last, wherever it stands in the text.
+    """
+    where = {node_id: i for i, node_id in enumerate(ids)}
+    listed = sorted([hit for hit in hits if hit.node_id in where], key=lambda h: where[h.node_id])
+    starts = [start for start in (char_span(hit)[0] for hit in listed) if start is not None]
+    for hit in listed:
+        i = where[hit.node_id]
+        after = where.get(link(hit, NodeRelationship.NEXT) or "", i + 1)
+        before = where.get(link(hit, NodeRelationship.PREVIOUS) or "", i - 1)
+        if (after, before) != (i + 1, i - 1):
+            return False
+    return starts == sorted(starts)
 
 
 def with_missing_slots(

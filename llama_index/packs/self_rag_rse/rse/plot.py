@@ -46,7 +46,10 @@ def plot_segments(
         segments = [span for span in found if span is not None]
         labels = [f"{r.doc_id[:16]} @{r.positions[0]}" for r in extraction.regions]
     if values is None:
-        raise ValueError("pass a SegmentExtraction or values=...")
+        raise ValueError(
+            "plot_segments got nothing to plot: pass a SegmentExtraction or values=... "
+            "(rse.extract(nodes) gives the extraction)"
+        )
     data = np.asarray(values, dtype=float)
     splits = list(document_splits) if document_splits else [len(data)]
 

@@ -11,9 +11,8 @@ chunk, offsets the texts contradict), segments stop at the hole instead of paper
 from __future__ import annotations
 
 import logging
-import math
 import warnings
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,12 +24,14 @@ from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle
 from llama_index.core.storage.docstore.types import BaseDocumentStore
 from llama_index.core.vector_stores.types import BasePydanticVectorStore
 
+from llama_index.packs.self_rag_rse.common import tracing
 from llama_index.packs.self_rag_rse.common.bridge import adrive, drive
 from llama_index.packs.self_rag_rse.common.notes import print_escaped, record_note
 from llama_index.packs.self_rag_rse.common.options import pydantic_fields, reject_unknown
 from llama_index.packs.self_rag_rse.rse.calibration import node_relevance, reject_nan
 from llama_index.packs.self_rag_rse.rse.chunk_sources import ChunkRequest, ChunkSource
 from llama_index.packs.self_rag_rse.rse.context_budget import ContextBudget
+from llama_index.packs.self_rag_rse.rse.events import SegmentsExtractedEvent
 from llama_index.packs.self_rag_rse.rse.layout import (
     DocumentLayout,
     lay_out,
@@ -41,7 +42,7 @@ from llama_index.packs.self_rag_rse.rse.layout import (
 from llama_index.packs.self_rag_rse.rse.node_fields import off_span
 from llama_index.packs.self_rag_rse.rse.options import SegmentOptions
 from llama_index.packs.self_rag_rse.rse.segment_nodes import drop_given_text, segment_nodes
-from llama_index.packs.self_rag_rse.rse.segments import find_best_segments
+from llama_index.packs.self_rag_rse.rse.selection import ChunkCounts, SelectionPolicy
 from llama_index.packs.self_rag_rse.rse.types import DocumentRegion, Segment, SegmentExtraction
 from llama_index.packs.self_rag_rse.rse.values import adjust_for_length, chunk_value
 
@@ -67,8 +68,10 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
     first, each as one node with the exact text of the span, named by what it holds (its
     chunks' ids and its text: the same id on every call for the same content). Under a context
     budget (``max_context_chars`` / ``max_context_tokens``) the segments are sized to it
-    (:class:`~.context_budget.ContextBudget`). Options are checked at construction and again
-    whenever one is set (:mod:`~.options`).
+    instead: each call picks one selection policy, dsRAG's chunk counts
+    (:class:`~.selection.ChunkCounts`) or the budget (:class:`~.context_budget.ContextBudget`),
+    and everything the choice changes is asked of it (:mod:`~.selection`). Options are checked
+    at construction and again whenever one is set (:mod:`~.options`).
 
     Chunk order comes, per document, from a ``chunk_index`` stamped by
     :class:`~llama_index.packs.self_rag_rse.ChunkIndexer` (cheapest: only the missing chunks are
@@ -107,8 +110,10 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
         for name, part in zip(_PARTS, (docstore, vector_store, index), strict=True):
             needs = "docstore" if name == "index" else "get_nodes"  # what RSE reads chunks with
             if part is not None and not hasattr(part, needs):
-                kind = f"{type(part).__name__}, not a LlamaIndex {name.replace('_', ' ')}"
-                raise TypeError(f"{name} is a {kind}: pass index=<your VectorStoreIndex>")
+                raise TypeError(
+                    f"{name} is a {type(part).__name__}, not a LlamaIndex "
+                    f"{name.replace('_', ' ')}: pass index=<your VectorStoreIndex>"
+                )
         super().__init__(**kwargs)
         if index is not None:
             # An index keeps its nodes in its docstore unless its vector store keeps the text
@@ -136,6 +141,7 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
         dispatcher.event(ReRankEndEvent(nodes=result))
         return result
 
+    @dispatcher.span
     async def _apostprocess_nodes(
         self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
     ) -> list[NodeWithScore]:
@@ -157,50 +163,107 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
         )
 
     # -- public API -------------------------------------------------------------------------
+    @dispatcher.span
     def extract(self, nodes: Sequence[NodeWithScore]) -> SegmentExtraction:
         """Run the extraction and return its full result (values, segments, members, holes)."""
         source = ChunkSource(self._docstore, self._vector_store)
-        return drive(self._plan(_scored(nodes), source), source.run)
+        # Each store read is a span of its own (ChunkSource.run), inside the extraction's.
+        return drive(self._plan(_scored(nodes), source), dispatcher.span(source.run))
 
+    @dispatcher.span
     async def aextract(self, nodes: Sequence[NodeWithScore]) -> SegmentExtraction:
         """Async :meth:`extract`."""
         source = ChunkSource(self._docstore, self._vector_store)
-        return await adrive(self._plan(_scored(nodes), source), source.arun)
+        return await adrive(self._plan(_scored(nodes), source), dispatcher.span(source.arun))
 
     # -- the algorithm, written once for sync and async drivers -----------------------------
     def _plan(
         self, nodes: list[NodeWithScore], source: ChunkSource
     ) -> Generator[ChunkRequest, Any, SegmentExtraction]:
-        hits, values_of, passthrough = self._rank(nodes)
-        budget = None
-        if self.budgeted:
-            texts = [h.node.get_content() for h in hits]
-            limits = (self.max_context_chars, self.max_context_tokens, self.tokenizer)
-            budget = ContextBudget(*limits, texts, self.partial_fill, self.segment_headers)
+        unique, hits, passthrough = self._rank(nodes)
+        policy = self._selection(hits)
+        values_of = self._values(unique, policy)
         extraction = SegmentExtraction([], [], passthrough)
+        layouts: dict[str, DocumentLayout] = {}
         if hits:
-            docs = self._select_documents(hits)
+            docs = policy.documents([hit.node for hit in hits])
             layouts = yield from lay_out(docs, source, self.max_document_chunks)
             for doc_id in [d for d in docs if d not in layouts]:
                 lost = [h for h in hits if h.node.ref_doc_id == doc_id]
-                self._unplaceable(lost, "carry no chunk index, offsets or NEXT/PREVIOUS links")
+                self._unplaceable(
+                    lost,
+                    why="carry no chunk index, offsets or NEXT/PREVIOUS links",
+                    fix=(
+                        "build nodes with a LlamaIndex splitter (offsets and relationships), add "
+                        "ChunkIndexer at ingestion, or pass the docstore or vector store that "
+                        "holds the document's chunks (index=...), so RSE can read their order"
+                    ),
+                )
                 passthrough.extend(lost)
                 del docs[doc_id]
             claimed = {n.node_id for layout in layouts.values() for n in layout.conflicts}
             extra = [h for h in hits if h.node.node_id in claimed]
             self._unplaceable(
-                extra, "claim the chunk index of a better-ranked hit of their document"
+                extra,
+                why="claim the chunk index of a better-ranked hit of their document",
+                because=(
+                    "The store holds two chunks at one place of the document: the document was "
+                    "ingested twice without stable ids, or two chunkings of it share one "
+                    "document id. "
+                ),
+                fix=(
+                    "ingest each document once with ChunkIndexer(stable_ids=True), so a re-ingest "
+                    "overwrites a document's chunks instead of copying them, and delete the "
+                    "copies; give each chunking its own document ids"
+                ),
             )
             passthrough.extend(extra)
-            segments, regions = yield from self._settle(docs, layouts, values_of, source, budget)
+            segments, regions = yield from self._settle(docs, layouts, values_of, source, policy)
             holes = [hole for doc_id in docs for hole in layouts[doc_id].holes]
             extraction = SegmentExtraction(regions, segments, passthrough, holes=holes)
-        if budget is not None:
-            budget.fit(extraction, self._spares(hits, values_of, layouts) if hits else iter(()))
+        searched = list(extraction.segments)
+        policy.fit(
+            extraction,
+            hits=[hit.node for hit in hits],
+            values_of=values_of,
+            layouts=layouts,
+        )
         if self.output == "segments":
             extraction.segments = drop_given_text(extraction.segments)
         extraction.store_calls = source.calls  # every read is answered by now
-        return self._finish(extraction, nodes, hits, budget)
+        self._finish(extraction, nodes, hits, policy)
+        tracing.emit(
+            SegmentsExtractedEvent,
+            hits=hits,
+            searched=searched,
+            extraction=extraction,
+            tokenizer=self.tokenizer,
+        )
+        return extraction
+
+    def _selection(self, hits: list[NodeWithScore]) -> SelectionPolicy:
+        """The one place a context budget is looked at: with one, the segments are sized to it
+        (:class:`ContextBudget`); without, to dsRAG's chunk counts (:class:`ChunkCounts`).
+        """
+        max_length = int(self._param("max_length"))
+        if self.budgeted:
+            return ContextBudget(
+                max_length=max_length,
+                max_chars=self.max_context_chars,
+                max_tokens=self.max_context_tokens,
+                tokenizer=self.tokenizer,
+                minimum_value=self.minimum_value,
+                keep_top_hits=self.keep_top_hits,
+                partial=self.partial_fill,
+                headers=self.segment_headers,
+            )
+        return ChunkCounts(
+            max_length=max_length,
+            overall_max_length=int(self._param("overall_max_length")),
+            minimum_value=float(self._param("minimum_value")),
+            irrelevant_chunk_penalty=float(self._param("irrelevant_chunk_penalty")),
+            most_documents=int(self._param("top_k_for_document_selection")),
+        )
 
     def _settle(
         self,
@@ -208,18 +271,21 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
         layouts: dict[str, DocumentLayout],
         values_of: dict[str, float],
         source: ChunkSource,
-        budget: ContextBudget | None,
+        policy: SelectionPolicy,
     ) -> Generator[ChunkRequest, Any, tuple[list[Segment], list[DocumentRegion]]]:
         """Search, read the chunks the segments need, search again where reads showed holes;
         returns the segments with their members and nodes, and the regions last searched.
         """
         penalty = float(self._param("irrelevant_chunk_penalty"))
-        length = int(self._param("max_length"))
         rounds = 0
         while True:
             # In rank order of the documents: the search breaks ties by position.
-            regions = [r for d in docs for r in layouts[d].regions(values_of, penalty, length)]
-            segments = self._search(regions, layouts, values_of, budget)
+            regions = [
+                region
+                for doc_id in docs
+                for region in layouts[doc_id].regions(values_of, penalty, policy.max_length)
+            ]
+            segments = self._search(regions, layouts, values_of, policy)
             missing = missing_positions(segments, layouts)
             if missing and rounds < MAX_READ_ROUNDS:
                 rounds += 1
@@ -242,25 +308,28 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
     # -- steps --------------------------------------------------------------------------------
     def _rank(
         self, nodes: list[NodeWithScore]
-    ) -> tuple[list[NodeWithScore], dict[str, float], list[NodeWithScore]]:
-        """Deduplicate, rank by score and turn scores into chunk values: returns the hits with
-        a source document, their values by node id (best first: ties go by rank), and the
-        nodes that pass through.
+    ) -> tuple[list[NodeWithScore], list[NodeWithScore], list[NodeWithScore]]:
+        """Deduplicate and rank by score: returns every node once, best first; the hits (those
+        with a source document); and the nodes that pass through.
         """
         reject_nan([item.score for item in nodes])
         best: dict[str, NodeWithScore] = {}
         other: list[NodeWithScore] = []  # one id, another text: passed through, not dropped
         for item in nodes:  # a node given twice (two retrievers' lists joined): its best score
-            kept = best.setdefault(node_id := item.node.node_id, item)
-            if item.score is not None and (kept.score is None or item.score > kept.score):
-                best[node_id], item = item, kept
+            node_id = item.node.node_id
+            kept = best.setdefault(node_id, item)
+            scored_higher = item.score is not None and (
+                kept.score is None or item.score > kept.score
+            )
+            if scored_higher:
+                best[node_id] = item
+                item = kept
             if item is not best[node_id] and item.get_content() != best[node_id].get_content():
                 other.append(item)
         unique = list(best.values())
         scores = [item.score for item in unique]
         if all(s is not None for s in scores):
             unique.sort(key=lambda item: -float(item.score))  # type: ignore[arg-type]
-            scores = [item.score for item in unique]
         elif any(s is not None for s in scores):
             warnings.warn(
                 "some nodes have no score: RSE ranks all nodes by their input order and uses "
@@ -268,30 +337,6 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
                 "for a consistent ranking",
                 stacklevel=4,
             )
-        relevance = node_relevance(self.relevance_calibration, scores, self.cosine_range)
-        # Every score positive and below the range: another scale, such as rank fusion's
-        # (negative cosine similarities say irrelevant, not another scale).
-        top = max((float(s) for s in scores if s is not None), default=0.0)
-        cosine = self.relevance_calibration in ("cosine", "cosine_adaptive")
-        if cosine and relevance.size and not relevance.any() and top > 0:
-            warnings.warn(
-                f"no node's score is above cosine_range[0] ({self.cosine_range[0]}), so every "
-                "hit is worth 0 and RSE keeps none: for scores that are no cosine similarities "
-                "(reciprocal-rank fusion, BM25, a reranker) pass calibration='spread' or a "
-                "cosine_range that fits them",
-                stacklevel=4,
-            )
-        ranks = np.arange(len(unique), dtype=float)
-        values = chunk_value(
-            ranks, relevance, self._param("decay_rate"), self._param("irrelevant_chunk_penalty")
-        )
-        lengths = np.array([len(item.node.get_content()) for item in unique], dtype=float)
-        if self.chunk_length_adjustment:
-            values = adjust_for_length(values, lengths)
-        if self.budgeted and lengths.size and lengths.mean() > 0:
-            # A budget is spent in characters: a hit's worth scales with the text it brings, so
-            # the knapsack does not trade one long strong hit for two short weaker ones.
-            values = np.where(values > 0, values * lengths / lengths.mean(), values)
         hits = [item for item in unique if item.node.ref_doc_id is not None]
         if changed := [h for h in hits if off_span(h.node)]:
             warnings.warn(
@@ -303,94 +348,108 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
                 stacklevel=4,
             )
         passthrough = [item for item in unique if item.node.ref_doc_id is None]
-        self._unplaceable(passthrough, "have no source document (no SOURCE relationship)")
-        # Two chunkings of one document, both stamped ChunkIndexer(stable_ids=True)?
-        self._unplaceable(other, "share their node id with a better-ranked hit of another text")
-        values_of = {
+        self._unplaceable(
+            passthrough,
+            why="have no source document (no SOURCE relationship)",
+            fix=(
+                "build them with a LlamaIndex splitter (a node parser), which names the document "
+                "each chunk was cut from; nodes that are no document's chunks can stay as they are"
+            ),
+        )
+        self._unplaceable(
+            other,
+            why="share their node id with a better-ranked hit of another text",
+            because=(
+                "Two chunkings of one document, both stamped ChunkIndexer(stable_ids=True), name "
+                "their k-th chunks alike (a stable id is made of the document id and the chunk "
+                "index). "
+            ),
+            fix=(
+                "give each chunking its own document ids (e.g. Document(id_=f'{doc.doc_id}-256', "
+                "text=doc.text, metadata=doc.metadata) for the 256-token chunking), then re-ingest"
+            ),
+        )
+        return unique, hits, passthrough + other
+
+    def _values(self, unique: list[NodeWithScore], policy: SelectionPolicy) -> dict[str, float]:
+        """The chunk value of every hit by node id, in rank order (``unique``: every node once,
+        best first): rank and calibrated relevance (:func:`~.values.chunk_value`), scaled as
+        the policy says.
+        """
+        scores = [item.score for item in unique]
+        calibration = policy.calibration(self.calibration)
+        relevance = node_relevance(calibration, scores, self.cosine_range)
+        # Every score positive and below the range: another scale, such as rank fusion's
+        # (negative cosine similarities say irrelevant, not another scale).
+        top = max((float(s) for s in scores if s is not None), default=0.0)
+        cosine = calibration in ("cosine", "cosine_adaptive")
+        if cosine and relevance.size > 0 and not relevance.any() and top > 0:
+            warnings.warn(
+                f"no node's score is above cosine_range[0] ({self.cosine_range[0]}), so every "
+                "hit is worth 0 and RSE keeps none: for scores that are no cosine similarities "
+                "(reciprocal-rank fusion, BM25, a reranker) pass calibration='spread' or a "
+                "cosine_range that fits them",
+                stacklevel=4,
+            )
+        ranks = np.arange(len(unique), dtype=float)
+        values = chunk_value(
+            ranks,
+            relevance,
+            decay_rate=self._param("decay_rate"),
+            irrelevant_chunk_penalty=self._param("irrelevant_chunk_penalty"),
+        )
+        lengths = np.array([len(item.node.get_content()) for item in unique], dtype=float)
+        if self.chunk_length_adjustment:
+            values = adjust_for_length(values, lengths)
+        values = policy.scale(values, lengths)
+        return {
             item.node.node_id: float(value)
             for item, value in zip(unique, values, strict=True)
             if item.node.ref_doc_id is not None
         }
-        return hits, values_of, passthrough + other
 
-    def _unplaceable(self, items: list[NodeWithScore], why: str) -> None:
-        """Warn (or raise) about nodes that pass through because they cannot be ordered."""
+    def _unplaceable(
+        self, items: list[NodeWithScore], *, why: str, fix: str, because: str = ""
+    ) -> None:
+        """Warn (or raise) about nodes that pass through because RSE cannot place them: ``why``
+        (after "N node(s)"), what usually causes it (``because``, a sentence or empty), and the
+        fix for that cause.
+        """
         if not items:
             return
         message = (
             f"{len(items)} node(s) {why}, so RSE cannot place them in their document; they pass "
-            "through unchanged. Fix: build nodes with a LlamaIndex splitter (offsets and "
-            "relationships), add ChunkIndexer at ingestion (stable_ids=True, so a re-ingest "
-            "overwrites a document's chunks instead of copying them), or pass the docstore or "
-            "vector store."
+            f"through unchanged. {because}Fix: {fix}."
         )
         if self.on_unplaceable == "raise":
             raise ValueError(message)
         warnings.warn(message, stacklevel=5)
-
-    def _select_documents(self, hits: list[NodeWithScore]) -> dict[str, list[BaseNode]]:
-        # Under a budget the budget decides; top-k keeps every document's hits too.
-        top_k = len(hits) if self.budgeted else int(self._param("top_k_for_document_selection"))
-        docs: dict[str, list[BaseNode]] = {}
-        for hit in hits:  # hits are in rank order, so documents enter by their best rank
-            doc_id = hit.node.ref_doc_id
-            assert doc_id is not None
-            if doc_id in docs:
-                docs[doc_id].append(hit.node)
-            elif len(docs) < top_k:
-                docs[doc_id] = [hit.node]
-        return docs
 
     def _search(
         self,
         regions: list[DocumentRegion],
         layouts: dict[str, DocumentLayout],
         values_of: dict[str, float],
-        budget: ContextBudget | None,
+        policy: SelectionPolicy,
     ) -> list[Segment]:
         if not regions:
             return []
         laid_out = SegmentExtraction(regions, [], [])
-        length, minimum = int(self._param("max_length")), float(self._param("minimum_value"))
-        if budget is None:
-            overall = int(self._param("overall_max_length"))
-            spans, scores = find_best_segments(
-                laid_out.values[None, :], laid_out.document_splits, length, overall, minimum
-            )
-        else:
-            spans = budget.spans(
-                laid_out, layouts, list(values_of), length, minimum, self.keep_top_hits
-            )
-            scores = [float(np.sum(laid_out.values[start:end])) for start, end in spans]
-        segments = [
-            laid_out.segment_at(start, end, score)
-            for (start, end), score in zip(spans, scores, strict=True)
-        ]
-        return sorted(segments, key=lambda s: -s.value)
-
-    def _spares(
-        self,
-        hits: list[NodeWithScore],
-        values_of: dict[str, float],
-        layouts: dict[str, DocumentLayout],
-    ) -> Iterator[Segment]:
-        """The placed hits as one-chunk segments, best first: what a budget refills with."""
-        for hit in hits:
-            layout = layouts.get(hit.node.ref_doc_id or "")
-            position = layout.positions.get(hit.node.node_id) if layout else None
-            if layout is not None and position is not None and position in layout.held:
-                segment = Segment(
-                    layout.doc_id, position, position + 1, values_of[hit.node.node_id]
-                )
-                layout.fill(segment)
-                yield segment
+        spans, scores = policy.search(laid_out, layouts, list(values_of))
+        return sorted(
+            (
+                laid_out.segment_at(start, end, score)
+                for (start, end), score in zip(spans, scores, strict=True)
+            ),
+            key=lambda s: -s.value,
+        )
 
     def _finish(
         self,
         extraction: SegmentExtraction,
         nodes: list[NodeWithScore],
         hits: list[NodeWithScore],
-        budget: ContextBudget | None,
+        policy: SelectionPolicy,
     ) -> SegmentExtraction:
         """Say what went wrong, once, in the log and on the result."""
         if extraction.holes:
@@ -408,42 +467,17 @@ class RelevantSegmentPostprocessor(SegmentOptions, BaseNodePostprocessor):
                 more,
             )
         if nodes and not extraction.segments and not extraction.passthrough:
-            extraction.note = self._why_empty(extraction, len(nodes), hits, budget)
+            head = f"RSE kept none of {len(nodes)} nodes"
+            extraction.note = (
+                policy.why_empty(head, extraction, [h.node for h in hits])
+                if hits and extraction.regions
+                else f"{head}: none could be placed in a document (RSE warned why, with the fix)"
+            )
             logger.info("%s", extraction.note)
             record_note(type(self).__name__, extraction.note)
         if self.verbose:
             print_escaped(extraction.describe())
         return extraction
-
-    def _why_empty(
-        self,
-        extraction: SegmentExtraction,
-        n_nodes: int,
-        hits: list[NodeWithScore],
-        budget: ContextBudget | None,
-    ) -> str:
-        head = f"RSE kept none of {n_nodes} nodes"
-        if not hits or not extraction.regions:
-            return f"{head}: none could be placed in a document"
-        if budget is not None:
-            return budget.why_empty(head, [h.node for h in hits])
-        values = extraction.values
-        if float(values.max()) < 0:
-            penalty = float(self._param("irrelevant_chunk_penalty"))
-            return (
-                f"{head}: no chunk is worth more than irrelevant_chunk_penalty {penalty:g} "
-                f"(best chunk value {float(values.max()):.3g}); lower irrelevant_chunk_penalty, "
-                "or check the calibration (cosine_range) against your scores"
-            )
-        length = int(self._param("max_length"))
-        _, best = find_best_segments(
-            values[None, :], extraction.document_splits, length, length, -math.inf
-        )
-        return (
-            f"{head}: best segment value {best[0]:.3g} < minimum_value "
-            f"{float(self._param('minimum_value')):g}; lower minimum_value or "
-            "irrelevant_chunk_penalty"
-        )
 
     def _to_nodes(self, extraction: SegmentExtraction) -> list[NodeWithScore]:
         result: list[NodeWithScore] = []

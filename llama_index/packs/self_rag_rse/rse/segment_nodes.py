@@ -20,7 +20,7 @@ from llama_index.core.schema import BaseNode, NodeRelationship, TextNode
 
 from llama_index.packs.self_rag_rse.context.segment_header import add_segment_header
 from llama_index.packs.self_rag_rse.rse.chunk_index import CHUNK_INDEX_KEY
-from llama_index.packs.self_rag_rse.rse.node_fields import char_span, same_value
+from llama_index.packs.self_rag_rse.rse.node_fields import char_span, offsets_checked, same_value
 from llama_index.packs.self_rag_rse.rse.ordering import linked
 from llama_index.packs.self_rag_rse.rse.stitching import stitch_with_breaks
 from llama_index.packs.self_rag_rse.rse.types import Segment
@@ -62,16 +62,19 @@ def segment_nodes(segment: Segment, headers: bool = True) -> list[TextNode]:
     spans = [char_span(m) for m in members]
     links = [False] + [linked(a, b) for a, b in itertools.pairwise(members)]
     distrust = [m.node_id in segment.distrusted for m in members]
-    pieces, found = stitch_with_breaks(texts, spans, links, distrust)
+    checked = [offsets_checked(m) for m in members]
+    pieces, found = stitch_with_breaks(texts, spans, links, distrust, checked)
     breaks = [b.reason for b in found]
     shared = dict(members[0].metadata)
     for member in members[1:]:
         shared = {k: v for k, v in shared.items() if same_value(member.metadata.get(k), v)}
     shared.pop(CHUNK_INDEX_KEY, None)
-    hidden = list(SEGMENT_METADATA_KEYS)
-    for key in (*members[0].excluded_llm_metadata_keys, CHUNK_INDEX_KEY):
-        if key not in hidden:
-            hidden.append(key)
+    # In order, once each: the segment's keys, then those its first chunk hides, and the index.
+    hidden = list(
+        dict.fromkeys(
+            [*SEGMENT_METADATA_KEYS, *members[0].excluded_llm_metadata_keys, CHUNK_INDEX_KEY]
+        )
+    )
     source = members[0].relationships.get(NodeRelationship.SOURCE)
     relationships = {NodeRelationship.SOURCE: source} if source is not None else {}
 
@@ -141,7 +144,8 @@ def drop_given_text(segments: Sequence[Segment]) -> list[Segment]:
     overlap above half a chunk, segments that do not touch can share text. A node whose range
     is unknown stays whole; a segment left without nodes is dropped.
     """
-    placed = [(span, s, n) for s in segments for n in s.nodes if (span := _exact_range(n))]
+    ranged = [(_exact_range(node), segment, node) for segment in segments for node in segment.nodes]
+    placed = [(span, segment, node) for span, segment, node in ranged if span is not None]
     given: dict[str, int] = {}  # per document: where the text given so far ends
     for (start, end), segment, node in sorted(placed, key=lambda p: (p[1].doc_id, p[0])):
         seen = given.setdefault(segment.doc_id, start)
@@ -166,8 +170,10 @@ def free_text(spare: Segment, kept: Sequence[Segment]) -> tuple[int, int] | None
     (a neighbour's overlap cut off), or None: inside a segment, or offsets cannot tell.
     """
     node = spare.members[0]
-    lo, hi, (first, _) = 0, len(node.get_content()), char_span(node)
-    for s in (s for s in kept if s.touches(spare)):
+    first, _ = char_span(node)
+    lo, hi = 0, len(node.get_content())  # the free part: the whole text, until a segment cuts it
+    touching = [s for s in kept if s.touches(spare)]
+    for s in touching:
         ranges: list[Any] = [n.metadata.get("segment_char_range") for n in s.nodes]
         if s.start <= spare.start < s.end or first is None or None in ranges:
             return None

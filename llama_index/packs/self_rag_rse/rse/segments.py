@@ -104,7 +104,6 @@ def find_best_segments(
     wall_positions = np.asarray(wall_list, dtype=np.int64)
     states: list[_QueryState | None] = [None] * n_queries
     dropped = [False] * n_queries
-    n_dropped = 0
     segments: list[tuple[int, int]] = []
     scores: list[float] = []
     total = 0
@@ -113,7 +112,7 @@ def find_best_segments(
     while total < overall_max_length:
         if turn >= n_queries:
             turn = 0
-        if n_dropped >= n_queries:
+        if all(dropped):
             break
         if dropped[turn]:
             turn += 1
@@ -126,7 +125,6 @@ def find_best_segments(
         best = state.best(width, minimum_value, wall_positions)
         if best is None:
             dropped[turn] = True
-            n_dropped += 1
             turn += 1
             continue
         value, start, end = best
@@ -218,7 +216,7 @@ class _QueryState:
             self.exact[lo:hi] = -np.inf
             self.exact_len[lo:hi] = 0
             self.bound[lo:hi] = -np.inf
-            first, last = lo // _BLOCK, (hi - 1) // _BLOCK + 1
+            first, last = lo // _BLOCK, (hi - 1) // _BLOCK + 1  # the blocks holding them
             self.exact_max[first:last] = self.exact_2d[first:last].max(axis=1)
             if self.bounded:
                 self.bound_max[first:last] = self.bound_2d[first:last].max(axis=1)
@@ -234,7 +232,6 @@ class _QueryState:
         if self.exact_max.shape[0] == 0:
             return None
         self.width = width
-        exact_2d, bound_2d = self.exact_2d, self.bound_2d
         seeding_rounds = 0
         while True:
             top = self.exact_max.max()
@@ -250,10 +247,10 @@ class _QueryState:
                         if open_blocks.shape[0] > 32:
                             order = np.argpartition(-self.bound_max[open_blocks], 32)[:32]
                             open_blocks = open_blocks[order]
-                        picks = open_blocks * _BLOCK + np.argmax(bound_2d[open_blocks], axis=1)
+                        picks = open_blocks * _BLOCK + np.argmax(self.bound_2d[open_blocks], axis=1)
                         seeding_rounds += 1
                     else:
-                        rows, cols = np.nonzero(bound_2d[open_blocks] >= bar)
+                        rows, cols = np.nonzero(self.bound_2d[open_blocks] >= bar)
                         picks = open_blocks[rows] * _BLOCK + cols
                     self._settle(picks)
                     continue
@@ -261,7 +258,7 @@ class _QueryState:
             if top == -np.inf or top < minimum_value:
                 return None
             block = int(np.argmax(self.exact_max))  # first block holding the maximum
-            j = block * _BLOCK + int(np.argmax(exact_2d[block]))  # smallest start among ties
+            j = block * _BLOCK + int(np.argmax(self.exact_2d[block]))  # smallest start among ties
             start = int(self.starts[j])
             end = start + int(self.exact_len[j])
             if end - start <= width and self.free[start] and not self.walls[start + 1 : end].any():

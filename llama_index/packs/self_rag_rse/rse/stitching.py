@@ -4,10 +4,15 @@ Splitters with ``chunk_overlap`` repeat text at every boundary; splitters withou
 whitespace between chunks. Given each chunk's character span (``start_char_idx`` / ``end_char_idx``,
 which LlamaIndex's splitters record), the overlap is cut exactly and a stripped gap is refilled with
 whitespace of the same length. Offsets are evidence, not truth: the text an overlap cut drops must
-be the text already stitched, and a gap can only be as wide as a splitter strips. Where the offsets
-fail either check, or a chunk carries none, the overlap is found by matching the end of the text so
-far against the start of the next chunk; where that fails too, the boundary is a *hole*, and the
-chunks come back as separate pieces rather than joined over text nobody has. No LlamaIndex import.
+be the text already stitched, a gap can only be as wide as a splitter strips, and where the text
+repeats, splitters (which place a chunk by searching its text) may have put a chunk at an earlier
+copy, so a boundary that repeated text could explain another way is not trusted unless the
+offsets were checked against the document at ingestion. Where the offsets fail, or a chunk carries
+none, the overlap is found by matching the end of the text so far against the start of the next
+chunk, when only one overlap fits; else linked neighbours are joined whole by a line break
+(counted in ``gaps``), and any other boundary is a *hole*: the chunks come back as separate pieces
+rather than joined over text nobody has, and no copy of repeated text is lost. No LlamaIndex
+import.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ def stitch_chunks(
     spans: Sequence[Span] | None = None,
     linked: Sequence[bool] | None = None,
     distrust: Sequence[bool] | None = None,
+    checked: Sequence[bool] | None = None,
 ) -> list[StitchedText]:
     """Join consecutive chunk texts of one document into the text of the span(s) they cover.
 
@@ -77,6 +83,8 @@ def stitch_chunks(
       :data:`MAX_LINKED_GAP` and, without offsets, a join with no text overlap.
     - ``distrust``: chunks whose offsets to ignore, e.g. found suspect (:func:`suspect_offsets`)
       next to neighbours that are not passed here.
+    - ``checked``: chunks whose offsets were checked against the document at ingestion (see
+      :func:`suspect_offsets`).
 
     Offsets are checked against the texts first: a chunk whose claimed overlap with a neighbour
     is not the neighbour's text, or which starts before its predecessor, has its offsets ignored,
@@ -84,7 +92,7 @@ def stitch_chunks(
     Returns one :class:`StitchedText` per run of chunks with no hole between them (a single
     element when every boundary joined); :func:`find_breaks` says why a boundary did not.
     """
-    return stitch_with_breaks(texts, spans, linked, distrust)[0]
+    return stitch_with_breaks(texts, spans, linked, distrust, checked)[0]
 
 
 def find_breaks(
@@ -92,6 +100,7 @@ def find_breaks(
     spans: Sequence[Span] | None = None,
     linked: Sequence[bool] | None = None,
     distrust: Sequence[bool] | None = None,
+    checked: Sequence[bool] | None = None,
 ) -> list[Break]:
     """The boundaries :func:`stitch_chunks` would not join, with the reason for each.
 
@@ -99,27 +108,37 @@ def find_breaks(
     the offsets leave a gap wider than a splitter strips, or the offsets cannot be trusted and
     the chunks are not linked as neighbours.
     """
-    return stitch_with_breaks(texts, spans, linked, distrust)[1]
+    return stitch_with_breaks(texts, spans, linked, distrust, checked)[1]
 
 
-def suspect_offsets(texts: Sequence[str], spans: Sequence[Span]) -> list[bool]:
-    """Which chunks' offsets the texts contradict, judged from each pair of neighbours.
+def suspect_offsets(
+    texts: Sequence[str], spans: Sequence[Span], checked: Sequence[bool] | None = None
+) -> list[bool]:
+    """Which chunks' offsets the texts contradict or cannot vouch for, judged from each pair of
+    neighbours (which of the two is wrong cannot be told, so both are suspect).
 
     Where two neighbours' offsets claim an overlap, the next chunk must start with the end of
-    the previous one; where it does not, or the next chunk starts before the previous one or
-    ends inside it, both are suspect (which one is wrong cannot be told). A gap is no evidence
-    here: text repeated across a cut is legitimate; only the gap's width can be judged, which
-    :func:`stitch_chunks` does.
+    the previous one, and must not start before the previous one or end inside it. And where the
+    text repeats, the claim (an overlap or a gap) must be the only one the texts allow: a
+    splitter that placed one of the two at an earlier copy of its text (:func:`_ambiguous`)
+    would have claimed just this while the document holds another overlap, and cutting or
+    refilling by it would drop a copy or put whitespace where the document has text. Pairs
+    whose ``checked`` offsets were both found again in the document at ingestion are exempt
+    from that doubt. A gap's width is judged by :func:`stitch_chunks`.
     """
     suspect = [False] * len(texts)
+    verified = [False] * len(texts) if checked is None else list(checked)
     shown = [i for i, text in enumerate(texts) if text]  # an empty chunk shows no boundary
     for h, i in itertools.pairwise(shown):
-        (start_a, end_a), (start_b, end_b) = spans[h], spans[i]
+        start_a, end_a = spans[h]
+        start_b, end_b = spans[i]
         if not (_usable(texts[h], spans[h]) and _usable(texts[i], spans[i])):
             continue
-        assert start_a is not None and end_a is not None and start_b is not None
-        assert end_b is not None
-        left, right = texts[h], texts[i]
+        assert (
+            start_a is not None and end_a is not None and start_b is not None and end_b is not None
+        )
+        left = texts[h]
+        right = texts[i]
         shift = end_a - start_b
         if start_b < start_a or end_b <= end_a:
             # Splitters place a chunk by searching its text, so one that ends inside the previous
@@ -130,12 +149,12 @@ def suspect_offsets(texts: Sequence[str], spans: Sequence[Span]) -> list[bool]:
         elif shift > 0:
             covered = min(shift, len(right))
             agrees = right[:covered] == left[len(left) - shift : len(left) - shift + covered]
-            # Repeated text: a shorter overlap fits too (the splitter may have found a copy).
-            agrees = agrees and not _overlaps(right[1:covered], right[:covered])
         else:
-            # A gap cannot be checked against the texts: the end of one chunk may well be
-            # repeated at the start of the next ("... | name" then "name ::= ...").
+            # A gap's characters are in neither text: the end of one chunk may well be repeated
+            # at the start of the next ("... | name" then "name ::= ...").
             agrees = True
+        if agrees and not (verified[h] and verified[i]):
+            agrees = not _ambiguous(left, right, shift)
         if not agrees:
             suspect[h] = suspect[i] = True
     return suspect
@@ -151,12 +170,14 @@ def stitch_with_breaks(
     spans: Sequence[Span] | None,
     linked: Sequence[bool] | None,
     distrust: Sequence[bool] | None,
+    checked: Sequence[bool] | None = None,
 ) -> tuple[list[StitchedText], list[Break]]:
     """:func:`stitch_chunks` and :func:`find_breaks` in one pass: the pieces, and a break
     between every two of them.
     """
     if not texts:
-        return [StitchedText("", None, None, 0, 0, 0)], []
+        empty = StitchedText(text="", start_char=None, end_char=None, gaps=0, first=0, stop=0)
+        return [empty], []
     spans = [(None, None)] * len(texts) if spans is None else list(spans)
     links = [False] * len(texts) if linked is None else list(linked)
     doubts = [False] * len(texts) if distrust is None else list(distrust)
@@ -165,7 +186,8 @@ def stitch_with_breaks(
             f"got {len(texts)} chunk texts, {len(spans)} spans, {len(links)} link flags and "
             f"{len(doubts)} distrust flags; pass one of each per chunk"
         )
-    suspect = [a or b for a, b in zip(suspect_offsets(texts, spans), doubts, strict=True)]
+    found = suspect_offsets(texts, spans, checked)
+    suspect = [a or b for a, b in zip(found, doubts, strict=True)]
     trusted = [
         span if _usable(text, span) and not doubt else (None, None)
         for text, span, doubt in zip(texts, spans, suspect, strict=True)
@@ -195,9 +217,12 @@ class _Run:
     """A run of chunks being stitched: its parts, its end in source coordinates, its doubts."""
 
     def __init__(self, text: str, span: Span, first: int, suspect: bool) -> None:
-        self.parts, self.length, self.first = [text], len(text), first
+        self.parts = [text]
+        self.length = len(text)
+        self.first = first
         self.start_char, self.end_char = span  # end: None once offsets could not place a boundary
-        self.gaps, self.contradicted = 0, suspect  # contradicted offsets: no range to report
+        self.gaps = 0
+        self.contradicted = suspect  # contradicted offsets: no range to report
 
     def tail(self, size: int) -> str:
         """The last ``size`` characters stitched so far (``size <= self.length``)."""
@@ -267,14 +292,21 @@ class _Run:
 
     def finish(self, stop: int) -> StitchedText:
         text = "".join(self.parts)
-        if self.contradicted:
-            return StitchedText(text, None, None, self.gaps, self.first, stop)
-        start, end = self.start_char, self.end_char
+        start = self.start_char
+        end = self.end_char
         if end is None and start is not None and self.gaps == 0:
             end = start + len(text)
-        if start is None or end is None or end - start != len(text):
-            start = end = None  # a newline standing for a gap of unknown width: no true range
-        return StitchedText(text, start, end, self.gaps, self.first, stop)
+        # Contradicted offsets, or a newline standing for a gap of unknown width: no true range.
+        if self.contradicted or start is None or end is None or end - start != len(text):
+            start = end = None
+        return StitchedText(
+            text=text,
+            start_char=start,
+            end_char=end,
+            gaps=self.gaps,
+            first=self.first,
+            stop=stop,
+        )
 
 
 def _filler(width: int) -> str:
@@ -283,15 +315,49 @@ def _filler(width: int) -> str:
 
 
 def _text_overlap(left: str, right: str) -> int:
-    """The one overlap :func:`_overlaps` finds; 0 for none or several (repeated text)."""
+    """The one overlap :func:`_overlaps` finds; 0 for none, or one repeated text could explain
+    another way (:func:`_ambiguous`: several fit, or a chunk repeats itself).
+    """
     found = _overlaps(left, right)
-    return found[0] if len(found) == 1 else 0
+    if len(found) != 1 or _ambiguous(left, right, found[0]):
+        return 0
+    return found[0]
 
 
-def _overlaps(left: str, right: str) -> list[int]:
-    """Lengths of ``left``'s suffixes (MIN_TEXT_OVERLAP at least) that begin ``right``."""
-    probe, found, at = right[:MIN_TEXT_OVERLAP], [], max(0, len(left) - len(right)) - 1
-    while len(probe) == MIN_TEXT_OVERLAP and (at := left.find(probe, at + 1)) != -1:
+def _ambiguous(left: str, right: str, shift: int) -> bool:
+    """Whether repeated text could put ``right`` after ``left`` otherwise than overlapping by
+    ``shift`` characters (a gap when below 0), as a splitter's offsets or a text match claim.
+
+    Splitters place a chunk by searching its text forward, so one can sit at an earlier copy of
+    itself, and a text match can take one copy for another. Another overlap (none, or one the
+    texts allow: ``left`` ends with what ``right`` begins with) is as likely as the one claimed
+    when a chunk reads the same moved by the difference (:func:`_repeats`). Prose never does; a
+    phrase, a log line or a table row repeated does.
+    """
+    for other in [0, *_overlaps(left, right, shortest=1)]:
+        distance = abs(shift - other)
+        if other != shift and (_repeats(left, distance) or _repeats(right, distance)):
+            return True
+    return False
+
+
+def _repeats(text: str, distance: int) -> bool:
+    """Whether ``text`` reads the same moved ``distance`` characters on: it repeats every
+    ``distance`` characters, or (moved past its end) every ``period`` characters, ``period`` a
+    divisor of ``distance`` that fits in ``text`` twice.
+    """
+    periods = [distance] if distance < len(text) else range(1, len(text) // 2 + 1)
+    return any(
+        distance % period == 0 and text[period:] == text[: len(text) - period] for period in periods
+    )
+
+
+def _overlaps(left: str, right: str, shortest: int = MIN_TEXT_OVERLAP) -> list[int]:
+    """Lengths (``shortest`` at least) of ``left``'s suffixes that begin ``right``."""
+    probe = right[:shortest]
+    found: list[int] = []
+    at = max(0, len(left) - len(right)) - 1  # where the search for the probe resumes, less one
+    while len(probe) == shortest and (at := left.find(probe, at + 1)) != -1:
         if right.startswith(left[at:]):
             found.append(len(left) - at)
     return found

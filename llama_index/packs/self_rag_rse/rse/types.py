@@ -134,7 +134,10 @@ class SegmentExtraction:
                 first = region.positions[start - offset]
                 return Segment(region.doc_id, first, first + (end - start), float(value))
             offset += len(region.values)
-        raise ValueError(f"values[{start}:{end}] lies beyond the {offset} values of the regions")
+        raise ValueError(
+            f"values[{start}:{end}] lies beyond the {offset} values of the regions: pass a span "
+            "the search returned for these regions"
+        )
 
     def describe(self) -> str:
         """A readable trace: each region's values, the segments, the holes, the note."""
@@ -150,12 +153,14 @@ class SegmentExtraction:
                 f"  doc {region.doc_id[:12]} chunks {region.positions[0]}-"
                 f"{region.positions[-1]}: {shown}{more}"
             )
-        for s in self.segments:
-            lines.append(
-                f"  segment doc {s.doc_id[:12]} chunks [{s.start}, {s.end}) value {s.value:.3f}"
-            )
-        for h in self.holes:
-            lines.append(f"  hole doc {h.doc_id[:12]} between {h.left} and {h.right}: {h.reason}")
+        lines.extend(
+            f"  segment doc {s.doc_id[:12]} chunks [{s.start}, {s.end}) value {s.value:.3f}"
+            for s in self.segments
+        )
+        lines.extend(
+            f"  hole doc {h.doc_id[:12]} between {h.left} and {h.right}: {h.reason}"
+            for h in self.holes
+        )
         if self.passthrough:
             lines.append(f"  {len(self.passthrough)} node(s) passed through unplaced")
         if self.left_out:

@@ -1,9 +1,11 @@
-"""RSE's chunk values and the presets that set their knobs (dsRAG 0.5.6).
+"""RSE's chunk values, the presets that set their knobs (dsRAG 0.5.6), and a budget's limits.
 
 A chunk's value says how much including it is worth: positive for a chunk retrieved high and
 judged relevant, ``-irrelevant_chunk_penalty`` for a chunk nobody retrieved.
 :func:`~llama_index.packs.self_rag_rse.rse.segments.find_best_segments` then picks the spans with
-the largest sums. Numpy only.
+the largest sums. A context budget sizes the answer in characters instead of chunks; the largest
+budget and the characters a token is taken for live here, with the other knobs' bounds, so that
+the options can check them without importing the search. Numpy only.
 """
 
 from __future__ import annotations
@@ -15,6 +17,13 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
 FloatArray = NDArray[np.float64]
+
+#: The largest context budget, in characters, the budgeted search takes in one piece: its arrays
+#: hold ``budget + 1`` cells per state (:mod:`~.budget`).
+MAX_BUDGET = 10_000_000
+
+#: Characters taken for one token when no tokenizer is given (rounded up per text).
+CHARS_PER_TOKEN = 4
 
 
 @dataclass(frozen=True)

@@ -7,19 +7,20 @@ loaded one, and the engine closes that model when it is closed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from inspect import signature
 from typing import Any
 
 from llama_index.packs.self_rag_rse.common.options import reject_unknown
+from llama_index.packs.self_rag_rse.common.urls import mask_url
 from llama_index.packs.self_rag_rse.critic.backend import CriticBackend
 from llama_index.packs.self_rag_rse.critic.contract import BaseCritic
 from llama_index.packs.self_rag_rse.critic.prompted_critic import PromptedCritic
 from llama_index.packs.self_rag_rse.critic.reflection import MissingReflectionTokens
-from llama_index.packs.self_rag_rse.llamacpp.compat import import_llama_cpp, llama_of
+from llama_index.packs.self_rag_rse.llamacpp.compat import import_llama_cpp, is_closed, llama_of
 
 logger = logging.getLogger(__name__)
 
@@ -30,22 +31,15 @@ DEFAULT_MODEL_KWARGS: dict[str, Any] = {"n_ctx": 2048, "n_gpu_layers": -1, "verb
 CRITIC_CHOICES = ("auto", "reflection", "prompted")
 
 
-@dataclass
-class BuiltCritic:
-    """A critic and the model this factory loaded for it (``None`` when the caller passed one)."""
-
-    critic: BaseCritic
-    loaded_model: Any = None
-
-
 def load_llama(model_path: str, model_kwargs: Mapping[str, Any] | None = None) -> Any:
     """A ``llama_cpp.Llama`` on the GGUF at ``model_path`` (:data:`DEFAULT_MODEL_KWARGS` under
     ``model_kwargs``); the engine's ``model_path=`` loads through here.
     """
     llama = import_llama_cpp("model_path").Llama
+    given = dict(model_kwargs or {})
     # Llama drops keyword arguments it does not know: a misspelt option would vanish.
-    reject_unknown("model_kwargs", model_kwargs or {}, signature(llama).parameters)
-    return llama(model_path=str(model_path), **{**DEFAULT_MODEL_KWARGS, **dict(model_kwargs or {})})
+    reject_unknown("model_kwargs", given, signature(llama).parameters)
+    return llama(model_path=str(model_path), **{**DEFAULT_MODEL_KWARGS, **given})
 
 
 def _backend(model: Any, max_new_tokens: int) -> CriticBackend:
@@ -63,7 +57,8 @@ def _backend(model: Any, max_new_tokens: int) -> CriticBackend:
 
         return LLMBackend(model)
     raise TypeError(
-        f"llm must be a LlamaIndex LLM or a llama_cpp.Llama, got {type(model).__name__}"
+        f"llm must be a LlamaIndex LLM or a llama_cpp.Llama, got {type(model).__name__}: pass "
+        "a LlamaCPP, a llama_cpp.Llama or any LlamaIndex LLM (e.g. OpenAILike(api_base=...))"
     )
 
 
@@ -75,8 +70,10 @@ def build_critic(
     model_kwargs: Mapping[str, Any] | None = None,
     generator_llm: Any = None,
     max_new_tokens: int = 50,
-) -> BuiltCritic:
-    """Choose and build the critic the engine's arguments ask for.
+) -> tuple[BaseCritic, Any]:
+    """Choose and build the critic the engine's arguments ask for; returns it and the model
+    loaded for it from ``model_path`` (``None`` when the caller passed one), which the caller
+    closes.
 
     ``critic`` is ``"reflection"`` (a llama.cpp model with Self-RAG's reflection tokens, or an
     OpenAI-compatible LLM whose server serves one), ``"prompted"`` (any LLM), ``"auto"``
@@ -86,36 +83,43 @@ def build_critic(
     completion models only, never a hosted API such as api.openai.com.
     """
     if model_kwargs and model_path is None:
-        raise ValueError("model_kwargs= applies to the model loaded from model_path=: set yours")
+        raise ValueError(
+            "model_kwargs= applies to the model loaded from model_path=: set those options on "
+            "the model you pass"
+        )
     if isinstance(critic, BaseCritic):
         if llm is not None or model_path is not None or generator_llm is not None:
             raise ValueError(
-                "pass either a built critic or llm=/model_path=/generator_llm= to build one"
+                "pass either a built critic or llm=/model_path=/generator_llm= to build one: a "
+                "built critic already has its models"
             )
-        return BuiltCritic(critic)
+        return critic, None
     if not isinstance(critic, str):
         raise TypeError(
             f"critic must be 'auto', 'reflection', 'prompted' or a built critic (a subclass of "
-            f"BaseCritic), got {type(critic).__name__}"
+            f"BaseCritic), got {type(critic).__name__}: pass one of the names, or an instance of "
+            "your BaseCritic subclass"
         )
     if critic not in CRITIC_CHOICES:
         raise ValueError(
-            f"critic must be 'auto', 'reflection', 'prompted' or a built critic, got {critic!r}"
+            f"critic must be 'auto', 'reflection', 'prompted' or a built critic, got {critic!r}: "
+            "pass one of those names (auto chooses by the model's vocabulary)"
         )
     if llm is None and model_path is None:
         raise ValueError(
-            "pass model_path= (a Self-RAG GGUF) or llm= (a LlamaCPP, llama_cpp.Llama or any "
-            "LlamaIndex LLM)"
+            "no model to build the critic from: pass model_path= (a Self-RAG GGUF) or llm= (a "
+            "LlamaCPP, llama_cpp.Llama or any LlamaIndex LLM)"
         )
     if llm is not None and model_path is not None:
-        raise ValueError("pass model_path= or llm=, not both")
+        raise ValueError(
+            "pass model_path= or llm=, not both: model_path= loads a model, llm= is one already "
+            "loaded"
+        )
     loaded = None
     if model_path is not None:
         llm = loaded = load_llama(model_path, model_kwargs)
     try:
-        return BuiltCritic(
-            _choose(critic, llm, generator_llm, max_new_tokens=max_new_tokens), loaded
-        )
+        return _choose(critic, llm, generator_llm, max_new_tokens=max_new_tokens), loaded
     except BaseException:
         if loaded is not None:
             loaded.close()
@@ -124,7 +128,27 @@ def build_critic(
 
 def _choose(critic: str, llm: Any, generator_llm: Any, *, max_new_tokens: int) -> BaseCritic:
     raw = llama_of(llm)
-    if critic in ("auto", "reflection") and raw is not None and generator_llm is None:
+    # A closed model is not read here (tokenizing it would crash): building its backend raises.
+    if critic == "auto" and generator_llm is not None and raw is not None and not is_closed(raw):
+        from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import (
+            reflection_token_ids,
+        )
+
+        # The rest runs only for a model with every reflection token, which users may expect
+        # to score with them.
+        with contextlib.suppress(MissingReflectionTokens):
+            reflection_token_ids(raw)
+            message = (
+                "llm= has Self-RAG's reflection tokens, but with generator_llm= the prompted "
+                "critic is used (the reflection critic scores the model's own answers): drop "
+                "generator_llm= to score with the reflection tokens, or pass critic='prompted' "
+                "to silence this"
+            )
+            logger.warning(message)
+            warnings.warn(message, stacklevel=4)
+    # The reflection critic scores the model's own answers: there is no separate generator.
+    may_reflect = critic in ("auto", "reflection") and generator_llm is None
+    if may_reflect and raw is not None:
         from llama_index.packs.self_rag_rse.llamacpp.reflection_critic import ReflectionCritic
 
         try:
@@ -144,7 +168,7 @@ def _choose(critic: str, llm: Any, generator_llm: Any, *, max_new_tokens: int) -
                 warnings.warn(message, stacklevel=4)
             else:
                 logger.info("model has no reflection tokens: using the prompted critic")
-    elif critic in ("auto", "reflection") and generator_llm is None:
+    elif may_reflect:
         served = _served_reflection(critic, llm, max_new_tokens=max_new_tokens)
         if served is not None:
             return served
@@ -183,6 +207,7 @@ def _served_reflection(critic: str, llm: Any, *, max_new_tokens: int) -> BaseCri
     endpoint = endpoint_of(llm)
     if endpoint is None:
         return None
+    # A chat model or a hosted API serves no raw completions to read reflection tokens from.
     if critic == "auto" and (endpoint.is_chat_model or endpoint.hosted):
         return None
     from llama_index.packs.self_rag_rse.served.apis import ReflectionTokensUnidentifiable
@@ -211,7 +236,7 @@ def _served_reflection(critic: str, llm: Any, *, max_new_tokens: int) -> BaseCri
         logger.info(
             "%s cannot confirm reflection tokens: using the prompted critic (pass "
             "critic='reflection' to use the served reflection critic anyway)",
-            endpoint.base_url,
+            mask_url(endpoint.base_url),
         )
         return None
     return served

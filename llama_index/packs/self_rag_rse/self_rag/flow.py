@@ -1,94 +1,103 @@
-"""The records the Self-RAG flow runs on, and the passages both forms judge: per query the
+"""The records the Self-RAG flow runs on, and the steps both forms share: per query the
 engine builds a :class:`FlowParts` for :func:`~.short_form.short_form` or
-:func:`~.long_form.long_form`, which never see the engine itself.
+:func:`~.long_form.long_form`, which never see the engine itself, and gets an
+:class:`Outcome` back. Here too: the query checked before any work (:func:`check_query`), the
+passages a form judges (:func:`passages`) and the response text (:func:`final_text`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from llama_index.core.prompts import BasePromptTemplate
-from llama_index.core.schema import NodeWithScore, QueryBundle
+from llama_index.core.schema import NodeWithScore, QueryBundle, QueryType
 
-from llama_index.packs.self_rag_rse.critic.contract import BaseCritic, ParagraphJudgement, astream
+from llama_index.packs.self_rag_rse.common import tracing
+from llama_index.packs.self_rag_rse.critic.checked import CheckedCritic
+from llama_index.packs.self_rag_rse.critic.contract import ParagraphJudgement
+from llama_index.packs.self_rag_rse.self_rag.record import (
+    NoAnswer,
+    QueryRecord,
+    Retrieve,
+    SkipEmpty,
+)
 from llama_index.packs.self_rag_rse.self_rag.retrieval import Retrieval, node_text
+
+#: The response when neither any paragraph nor the model alone produced text.
+NO_ANSWER = "No answer could be generated for this question."
 
 
 @dataclass(frozen=True)
 class FlowParts:
-    """What the forms need: ``retrieve`` (the retriever and the postprocessors, for a search
-    text), the critic, ``score`` (a judgement's final score), ``paragraph`` (the text the critic
-    reads for a node), the engine's prompts, ``ndocs`` and the query's trace.
+    """What the forms need.
+
+    ``critic`` is the engine's critic behind its checks; ``retrieve`` runs the retriever and the
+    postprocessors for a search text; ``score`` gives a judgement's final score; ``paragraph``
+    the text the critic reads for a node; ``prompts`` are the engine's templates (the corrective
+    loop's); ``ndocs`` is the most paragraphs judged per retrieval (``None``: all); ``record``
+    is the query's record, which the forms write into.
     """
 
-    critic: BaseCritic
+    critic: CheckedCritic
     retrieve: Callable[[str], Awaitable[Retrieval]]
     score: Callable[[ParagraphJudgement], float]
     paragraph: Callable[[NodeWithScore], str]
     prompts: Mapping[str, BasePromptTemplate]
     ndocs: int | None
-    trace: list[dict[str, Any]]
+    record: QueryRecord
 
     def prompt(self, key: str, query: str) -> str:
         """The engine's prompt ``key`` for ``query``."""
         return self.prompts[key].format(query_str=query)
 
-    def checked(self, method: str, out: Any, count: int | None = None) -> Any:
-        """What the critic's ``method`` returned, when it keeps the contract (``count``
-        judgements, each with text as its answer; ``None``: text), else a ``TypeError``.
-        """
-        if count is None:
-            kept, what = isinstance(out, str), "text"
-        else:
-            kept = isinstance(out, list | tuple) and len(out) == count
-            kept = kept and all(isinstance(getattr(j, "answer", None), str) for j in out)
-            what = f"one ParagraphJudgement per paragraph ({count}), in order, with text answers"
-        if not kept:
-            critic = type(self.critic).__name__
-            raise TypeError(f"{critic}.{method} must return {what}; it returned {out!r:.80}")
-        return out
-
 
 @dataclass
 class Outcome:
     """Where the flow ended: the answer (``None``: the model answers alone, with no evidence,
-    and may stream it), the sources (best first; long form: the cited passages) and the
-    metadata; long form's answer is ``pieces`` (its cited segments) joined by spaces.
+    and may stream it), the sources (best first; long form: the cited passages) and the query's
+    record; long form's answer is ``pieces`` (its cited segments) joined by spaces.
     """
 
     answer: str | None
     sources: list[NodeWithScore]
-    meta: dict[str, Any]
+    record: QueryRecord
     pieces: list[str] = field(default_factory=list)
 
-    def stream(self) -> list[str] | None:
-        """The known answer's stream: one piece, or long form's segments (they join to the
-        answer); ``None`` when the model answers alone and streams as it writes.
+    def apieces(self, critic: CheckedCritic, query: str) -> AsyncGenerator[str, None]:
+        """The answer as a stream: long form's segments (they join to the answer), a known
+        answer in one piece, or, when the model answers alone, the critic's answer to ``query``
+        as it writes it (in a ``SelfRAG.generate`` span that ends with the stream, as the
+        non-streamed answer's ends with it).
         """
         if self.answer is None:
-            return None
-        first, *rest = self.pieces or [self.answer]
-        return [first, *(f" {piece}" for piece in rest)]
-
-    async def apieces(self, critic: BaseCritic, query: str) -> AsyncIterator[str]:
-        """The known answer's stream, or the critic's own answer to ``query`` as it writes it."""
-        pieces = self.stream()
-        if pieces is None:
-            async for piece in astream(critic, query):
-                yield piece
-        for piece in pieces or []:
-            yield piece
+            opened = tracing.open_span("SelfRAG.generate", query=query)
+            return tracing.traced(critic.astream_answer(query), opened)
+        return _known(self.pieces or [self.answer])
 
 
-def query_meta(critic: str, long_form: bool) -> dict[str, Any]:
-    """A query's ``metadata["self_rag"]`` before the flow fills it in."""
-    meta: dict[str, Any] = {"critic": critic, "retrieve": False, "retrieve_prob": None}
-    meta |= {"best": None, "paragraphs": [], "trace": []}
-    if long_form:
-        meta |= {"long_form": True, "segments": [], "path_score": None, "depth": 0, "beams": []}
-    return meta
+async def _known(pieces: list[str]) -> AsyncGenerator[str, None]:
+    """A known answer's pieces as an async stream, a space before each but the first."""
+    yield pieces[0]
+    for piece in pieces[1:]:
+        yield f" {piece}"
+
+
+def query_bundle(query: QueryType) -> QueryBundle:
+    """The query as a bundle (a bundle given is used whole: its embedding strings too)."""
+    return query if isinstance(query, QueryBundle) else QueryBundle(query)
+
+
+def final_text(answer: str, record: QueryRecord) -> str:
+    """The response text: never empty (an empty answer says so, in the text and the trace).
+    The critic's checks have made sure it is text.
+    """
+    answer = answer.strip()
+    if not answer:
+        record.add(NoAnswer())
+        return NO_ANSWER
+    return answer
 
 
 def check_query(query: Any) -> None:
@@ -101,29 +110,50 @@ def check_query(query: Any) -> None:
         )
     if not text.strip():
         raise ValueError("query is empty: pass a non-empty question")
-    if (at := next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), -1)) >= 0:
-        raise ValueError(f"query has a lone surrogate at {at}: decode it with errors='replace'")
+    for position, character in enumerate(text):
+        # A lone surrogate (what decoding bytes with errors="surrogateescape" leaves): no model
+        # can encode it.
+        if "\ud800" <= character <= "\udfff":
+            raise ValueError(
+                f"query has a lone surrogate at {position}: decode it with errors='replace'"
+            )
 
 
 async def passages(
-    parts: FlowParts, text: str, seen: set[str] | None = None, **where: int
+    parts: FlowParts,
+    text: str,
+    *,
+    seen: set[str] | None = None,
+    round: int | None = None,
+    depth: int | None = None,
 ) -> list[NodeWithScore]:
-    """Retrieve for ``text``, leave out nodes already ``seen`` (their ids), trace the retrieval
-    (``where`` says which round or depth), skip empty paragraphs (traced, and added to
-    ``seen``) and cut to ``ndocs``: the paragraphs a form judges (empty ones never take a
-    place: an image node ranked first leaves room for the next paragraph with text).
+    """Retrieve for ``text`` and return the paragraphs a form judges.
+
+    Nodes already ``seen`` (their ids) are left out; empty paragraphs are skipped (traced, and
+    added to ``seen``) and never take a place, so an image node ranked first leaves room for
+    the next paragraph with text; the rest is cut to ``ndocs``. The retrieval is traced with
+    where it ran: the short form's ``round`` or the long form's ``depth`` (and is a span, the
+    retriever's and the postprocessors' own spans inside it).
     """
-    retrieved = await parts.retrieve(text)
-    nodes = [n for n in retrieved.nodes if seen is None or n.node.node_id not in seen]
-    empty = [n.node.node_id for n in nodes if not node_text(n).strip()]
-    nodes = [n for n in nodes if node_text(n).strip()][: parts.ndocs]
-    entry: dict[str, Any] = dict(step="retrieve", **where, query=text, nodes=len(nodes))
-    if retrieved.dropped_by is not None:
-        entry.update(retrieved=retrieved.retrieved, dropped_by=retrieved.dropped_by)
-        entry["reason"] = retrieved.note
-    parts.trace.append(entry)
-    if empty:
-        parts.trace.append(dict(step="skip_empty", node_ids=empty, reason="paragraph has no text"))
-        if seen is not None:
-            seen.update(empty)
+    with tracing.span("SelfRAG.retrieve", query=text, round=round, depth=depth) as span:
+        retrieved = await parts.retrieve(text)
+        fresh = [n for n in retrieved.nodes if seen is None or n.node.node_id not in seen]
+        empty = [n.node.node_id for n in fresh if not node_text(n).strip()]
+        with_text = [n for n in fresh if node_text(n).strip()]
+        nodes = with_text[: parts.ndocs]
+        step = Retrieve(
+            query=text,
+            nodes=len(nodes),
+            round=round,
+            depth=depth,
+            retrieved=retrieved.retrieved,
+            dropped_by=retrieved.dropped_by,
+            reason=retrieved.note,
+        )
+        parts.record.add(step)
+        span.result = step
+        if empty:
+            parts.record.add(SkipEmpty(node_ids=empty))
+            if seen is not None:
+                seen.update(empty)
     return nodes

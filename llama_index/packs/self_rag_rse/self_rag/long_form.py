@@ -16,16 +16,22 @@ Passages (:func:`~.flow.passages`): ``per_segment=False`` uses the query's at ev
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from llama_index.core.schema import NodeWithScore
 
+from llama_index.packs.self_rag_rse.common import tracing
 from llama_index.packs.self_rag_rse.critic.contract import Continuation
 from llama_index.packs.self_rag_rse.self_rag.flow import FlowParts, Outcome, passages
-
-#: A segment's scores, as its row names them.
-_SCORES = ("relevance", "support", "utility", "seq_score")
+from llama_index.packs.self_rag_rse.self_rag.record import (
+    Depth,
+    DepthRow,
+    Fallback,
+    PathFinished,
+    Segment,
+    SegmentFailed,
+)
 
 
 def long_form_unsupported(critic: str) -> str:
@@ -39,20 +45,11 @@ def long_form_unsupported(critic: str) -> str:
 
 
 @dataclass
-class Written:
-    """One segment of a path: what the critic wrote, from which passage, with which score."""
-
-    segment: Continuation
-    passage: NodeWithScore
-    score: float
-
-
-@dataclass
 class Path:
     """A partial answer: its context (what the model continues from) and its segments."""
 
     context: tuple[Any, ...]
-    segments: list[Written] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
     finished: bool = False
 
     @property
@@ -60,19 +57,18 @@ class Path:
         """The mean of the segments' scores (0.0 before the first segment)."""
         return sum(s.score for s in self.segments) / len(self.segments) if self.segments else 0.0
 
-    def child(self, written: Written) -> Path:
-        """This path continued by ``written``; finished unless it stopped at a boundary."""
+    def child(self, segment: Segment) -> Path:
+        """This path continued by ``segment``; finished unless it stopped at a boundary."""
         return Path(
-            written.segment.context,
-            [*self.segments, written],
-            finished=written.segment.stop != "boundary",
+            context=segment.written.context,
+            segments=[*self.segments, segment],
+            finished=segment.written.stop != "boundary",
         )
 
 
 async def long_form(
     parts: FlowParts,
     query: str,
-    meta: dict[str, Any],
     *,
     beam_width: int,
     max_segments: int,
@@ -83,107 +79,113 @@ async def long_form(
     ``boundary_threshold``: where a generated ``[No Retrieval]`` ends a segment (see
     :meth:`~.contract.BaseCritic.awrite_segments`).
     """
-    trace = parts.trace
-    meta["retrieve"] = True
+    record = parts.record
+    record.retrieved = True
     start = await parts.critic.astart_path(query)
     first = await passages(parts, query, depth=1)
     beam = [Path(tuple(start))]
-    while meta["depth"] < max_segments and any(not p.finished for p in beam):
-        depth = meta["depth"] = meta["depth"] + 1
-        found: dict[int, list[NodeWithScore]] = {}
-        for i, path in enumerate(beam):
-            if path.finished:
-                continue
-            if depth == 1 or not per_segment:
-                found[i] = first
-            else:
-                text = f"{query} {path.segments[-1].segment.answer}"
-                found[i] = await passages(parts, text, depth=depth)
-        branches = [
-            (beam[i].context, parts.paragraph(node)) for i, nodes in found.items() for node in nodes
-        ]
-        written = (
-            await parts.critic.awrite_segments(branches, boundary_threshold) if branches else []
-        )
-        segments = iter(parts.checked("awrite_segments", written, len(branches)))
-        candidates: list[Path] = []
-        for i, path in enumerate(beam):
-            if path.finished:
-                candidates.append(path)
-                continue
-            children = []
-            for node in found[i]:
-                segment = next(segments)
-                if segment.error is not None:
-                    trace.append(
-                        dict(step="segment_failed", depth=depth, path=i, node_id=_id(node))
-                        | {"error": segment.error}
-                    )
+    depth = 0
+    while depth < max_segments and any(not path.finished for path in beam):
+        depth += 1
+        with tracing.span("SelfRAG.depth", depth=depth, paths=len(beam)) as span:
+            # Each unfinished path's passages, and what the critic continues: (context, paragraph).
+            found: dict[int, list[NodeWithScore]] = {}
+            branches: list[tuple[tuple[Any, ...], str]] = []
+            for i, path in enumerate(beam):
+                if path.finished:
                     continue
-                children.append(path.child(Written(segment, node, parts.score(segment))))
-            if not children:
-                why = "no passages" if not found[i] else "every continuation failed"
-                trace.append(dict(step="path_finished", depth=depth, path=i, reason=why))
-                candidates.append(Path(path.context, path.segments, finished=True))
-            candidates.extend(children)
-        candidates.sort(key=lambda p: p.score, reverse=True)  # stable: ties keep their order
-        beam = candidates[:beam_width]
-        kept = {id(p) for p in beam}
-        trace.append({"step": "depth", "depth": depth, "candidates": _depth_rows(candidates, kept)})
-        meta["beams"].append(
-            [{"score": p.score, "node_ids": [_id(w.passage) for w in p.segments]} for p in beam]
-        )
-    return _answer(beam[0], meta, trace)
+                nodes = first
+                if depth > 1 and per_segment:
+                    text = f"{query} {path.segments[-1].written.answer}"
+                    nodes = await passages(parts, text, depth=depth)
+                found[i] = nodes
+                branches.extend((path.context, parts.paragraph(node)) for node in nodes)
+            written: list[Continuation] = []
+            if branches:
+                written = await parts.critic.awrite_segments(branches, boundary_threshold)
+            continuations = iter(written)
+            candidates: list[Path] = []
+            for i, path in enumerate(beam):
+                if path.finished:
+                    candidates.append(path)
+                    continue
+                children = []
+                for node in found[i]:
+                    continuation = next(continuations)
+                    if continuation.error is not None:
+                        record.add(
+                            SegmentFailed(
+                                depth=depth,
+                                path=i,
+                                node_id=node.node.node_id,
+                                error=continuation.error,
+                            )
+                        )
+                        continue
+                    segment = Segment(
+                        written=continuation, passage=node, score=parts.score(continuation)
+                    )
+                    children.append(path.child(segment))
+                if not children:
+                    why = "every continuation failed" if found[i] else "no passages"
+                    record.add(PathFinished(depth=depth, path=i, reason=why))
+                    candidates.append(Path(path.context, path.segments, finished=True))
+                candidates.extend(children)
+            candidates.sort(key=lambda p: p.score, reverse=True)  # stable: ties keep their order
+            beam = candidates[:beam_width]
+            step = Depth(depth=depth, candidates=_depth_rows(candidates, kept=beam))
+            record.add(step)
+            span.result = step
+    return _answer(parts, beam[0])
 
 
-def _answer(best: Path, meta: dict[str, Any], trace: list[dict[str, Any]]) -> Outcome:
+def _answer(parts: FlowParts, best: Path) -> Outcome:
     """The best path as the response: text with citations, cited passages, segment rows."""
+    record = parts.record
     numbers: dict[str, int] = {}
     sources: list[NodeWithScore] = []
-    parts: list[str] = []
-    for written in best.segments:
-        segment = written.segment
-        row: dict[str, Any] = {"text": segment.answer, "node_id": _id(written.passage)}
-        row["citation"] = None
-        row |= {name: getattr(segment, name) for name in _SCORES} | {"score": written.score}
-        # Tokens of the passage the critic left out to fit its n_ctx (0: read whole).
-        row["passage_cut"] = int(segment.details.get("passage_cut", 0))
-        if segment.answer:
-            new = _id(written.passage) not in numbers
-            n = row["citation"] = numbers.setdefault(_id(written.passage), len(numbers) + 1)
-            parts.append(f"{segment.answer} [{n}]")  # a passage's number is its first citation's
-            if new:
-                sources.append(NodeWithScore(node=written.passage.node, score=written.score))
-        meta["segments"].append(row)
-    meta["path_score"] = best.score if best.segments else None
-    if not parts:
+    pieces: list[str] = []
+    for segment in best.segments:
+        text = segment.written.answer
+        citation = None
+        if text:
+            # A passage's number is that of its first citation.
+            if segment.node_id not in numbers:
+                numbers[segment.node_id] = len(numbers) + 1
+                sources.append(NodeWithScore(node=segment.passage.node, score=segment.score))
+            citation = numbers[segment.node_id]
+            pieces.append(f"{text} [{citation}]")
+        record.cite(replace(segment, citation=citation))
+    if not pieces:
         reason = "no segment has text" if best.segments else "no passages"
-        trace.append({"step": "fallback", "reason": reason})
-        return Outcome(None, sources, meta)
-    return Outcome(" ".join(parts), sources, meta, parts)
+        record.add(Fallback(reason=reason))
+        return Outcome(None, sources, record)
+    return Outcome(answer=" ".join(pieces), sources=sources, record=record, pieces=pieces)
 
 
-def _depth_rows(candidates: list[Path], kept: set[int]) -> list[dict[str, Any]]:
-    """One row per candidate of a depth (new or carried over), best first."""
+def _depth_rows(candidates: list[Path], kept: list[Path]) -> list[DepthRow]:
+    """One row per candidate of a depth (new or carried over), best first; a path with no
+    segment yet has no last segment to show.
+    """
     rows = []
     for rank, path in enumerate(candidates):
-        last = path.segments[-1] if path.segments else None
-        rows.append(
-            {
-                "rank": rank,
-                "kept": id(path) in kept,
-                "finished": path.finished,
-                "path_score": path.score,
-                "node_ids": [_id(w.passage) for w in path.segments],
-                "segment": last.segment.answer if last else "",
-                "relevance": last.segment.relevance if last else None,
-                "support": last.segment.support if last else None,
-                "utility": last.segment.utility if last else None,
-                "score": last.score if last else None,
+        last: dict[str, Any] = {}
+        if path.segments:
+            segment = path.segments[-1]
+            last = {
+                "segment": segment.written.answer,
+                "relevance": segment.written.relevance,
+                "support": segment.written.support,
+                "utility": segment.written.utility,
+                "score": segment.score,
             }
+        row = DepthRow(
+            rank=rank,
+            kept=any(path is kept_path for kept_path in kept),
+            finished=path.finished,
+            path_score=path.score,
+            node_ids=[each.node_id for each in path.segments],
+            **last,
         )
+        rows.append(row)
     return rows
-
-
-def _id(node: NodeWithScore) -> str:
-    return node.node.node_id

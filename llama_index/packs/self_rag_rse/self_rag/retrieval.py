@@ -31,6 +31,7 @@ class Retrieval:
 
 
 def node_text(item: NodeWithScore) -> str:
+    """The node's text alone (no metadata): what decides whether a paragraph is empty."""
     return item.node.get_content(metadata_mode=MetadataMode.NONE)
 
 
@@ -40,7 +41,8 @@ def paragraph_text(item: NodeWithScore, title_key: str | Sequence[str] | None) -
     ``errors="surrogateescape"``) cannot be encoded for any model: it reads as U+FFFD.
     """
     text = node_text(item)
-    for key in [title_key] if isinstance(title_key, str) else (title_key or []):
+    keys = [title_key] if isinstance(title_key, str) else list(title_key or [])
+    for key in keys:
         title = item.node.metadata.get(key)
         if title is not None and str(title).strip():
             text = f"{str(title).strip()}\n{text}"
@@ -78,9 +80,11 @@ def _retriever_errors(retriever: Any) -> Iterator[None]:
         yield
     except (TypeError, AttributeError) as error:
         frames = traceback.extract_tb(error.__traceback__)
-        handled = any(f.name.endswith("handle_recursive_retrieval") for f in frames)  # core's
-        if str(error).startswith(type(retriever).__name__) or not handled:
-            raise  # ours, already named; or the retriever's own failure, as it is
+        # Core's handling of what a retriever returned (it iterates the nodes).
+        raised_by_core = any(f.name.endswith("handle_recursive_retrieval") for f in frames)
+        already_named = str(error).startswith(type(retriever).__name__)
+        if already_named or not raised_by_core:
+            raise  # ours; or the retriever's own failure, as it is
         raise TypeError(
             f"{type(retriever).__name__} failed while retrieving ({type(error).__name__}: "
             f"{error}); a retriever must return a list of NodeWithScore (an empty list when "
@@ -101,15 +105,17 @@ async def retrieve(
     bundle = bundle if getattr(bundle, "query_str", None) == text else QueryBundle(text)
     store = vector_store_of(retriever)
     with _retriever_errors(retriever):
-        if sync_client(store) is not None:  # its async calls would fail: its sync one, in a thread
+        # A store with only a sync client fails every async call: its sync one runs in a thread.
+        if sync_client(store) is not None:
             found = await in_thread(store, retriever.retrieve, bundle)
         elif blocking:
             found = await run_blocking(retriever.retrieve, bundle)
         else:
             found = await retriever.aretrieve(bundle)
         nodes = checked_nodes(found, retriever)
+    kept = nodes
+    dropped_by = None
     with collect_notes() as notes:
-        kept, dropped_by = nodes, None
         for post in postprocessors:
             before = len(kept)
             if blocking:
@@ -117,13 +123,13 @@ async def retrieve(
             else:
                 done = await post.apostprocess_nodes(kept, query_bundle=bundle)
             kept = checked_nodes(done, post)
-            if before and not kept and dropped_by is None:
+            # The first postprocessor that was given nodes and kept none is the one to name.
+            if before > 0 and not kept and dropped_by is None:
                 dropped_by = type(post).__name__
     note = None
     if dropped_by is not None:
-        reasons = [text for source, text in notes if source == dropped_by]
-        note = f"{dropped_by} kept none of the {len(nodes)} retrieved nodes" + (
-            f": {reasons[0]}" if reasons else ""
-        )
+        reasons = [reason for source, reason in notes if source == dropped_by]
+        because = f": {reasons[0]}" if reasons else ""
+        note = f"{dropped_by} kept none of the {len(nodes)} retrieved nodes{because}"
         logger.info("%s", note)
-    return Retrieval(kept, len(nodes), dropped_by, note)
+    return Retrieval(nodes=kept, retrieved=len(nodes), dropped_by=dropped_by, note=note)

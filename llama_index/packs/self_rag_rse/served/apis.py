@@ -9,7 +9,7 @@ kind, which :class:`ServerInfo` records.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -99,7 +99,7 @@ class CompletionAPI(Protocol):
 
     def stream(
         self, info: ServerInfo, prompt: Any, max_new_tokens: int, top_n: int
-    ) -> AsyncIterator[Completion]:
+    ) -> AsyncGenerator[Completion, None]:
         """:meth:`complete` through the server's streaming API: the completion's pieces (each
         with its positions' log-probs) as the server sends them; they join to the whole.
         """

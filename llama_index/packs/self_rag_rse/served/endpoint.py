@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
+from llama_index.packs.self_rag_rse.common.urls import mask_url
+
 #: Hosts never probed for reflection tokens: the hosted APIs serve no Self-RAG model.
 HOSTED_APIS = ("api.openai.com",)
 
@@ -60,18 +62,19 @@ def _seconds(value: Any) -> float | None:
 def split_url(url: str) -> tuple[str, str]:
     """``(root, openai_base)`` of a server URL given either way (``http://h:p`` or ``.../v1``)."""
     try:  # a port out of range or not a number would fail deep in the first connection
-        parsed = urlparse(url := url.rstrip("/"))
-        valid = parsed.scheme in ("http", "https") and parsed.hostname and parsed.port != 0
+        url = url.rstrip("/")
+        parsed = urlparse(url)
+        reachable = parsed.scheme in ("http", "https") and parsed.hostname and parsed.port != 0
         # An endpoint's URL, a query or a space would be pasted into every request's path.
-        valid = valid and url == url.strip() and not (parsed.query or parsed.fragment)
-        valid = valid and not parsed.path.endswith(("/completions", "/completion"))
+        bare = url == url.strip() and not (parsed.query or parsed.fragment)
+        valid = reachable and bare and not parsed.path.endswith(("/completions", "/completion"))
     except (AttributeError, TypeError, ValueError):  # no text at all: None, 42, bytes
         valid = False
     if not valid:
         raise ValueError(
             f"base_url must be an http(s) URL with a host and a port in 1-65535, such as "
-            f"http://127.0.0.1:8080, got {url!r} (the server's root or its /v1: no endpoint, "
-            "query or spaces)"
+            f"http://127.0.0.1:8080, got {mask_url(repr(url))} (the server's root or its /v1: "
+            "no endpoint, query or spaces)"
         )
     if parsed.path.endswith("/v1"):
         return url[: -len("/v1")], url

@@ -73,7 +73,8 @@ class Followups:
         )
         for i, got in zip(gaps, fetched, strict=True):
             slot = completion.positions[i]
-            slot.top, slot.pieces = got.top, got.pieces
+            slot.top = got.top
+            slot.pieces = got.pieces
             slot.logprob = (got.top or {}).get(slot.key, slot.logprob)
         check_greedy(
             completion,

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from llama_index.packs.self_rag_rse.served.http import ServerError
+from llama_index.packs.self_rag_rse.served.errors import ServerError
 from llama_index.packs.self_rag_rse.served.wire import Completion
 
 #: Server kinds: llama.cpp's llama-server (native API or its ``/v1``), llama-cpp-python's

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
+from llama_index.packs.self_rag_rse.common.urls import mask_url
 from llama_index.packs.self_rag_rse.critic.reflection import SELF_RAG_SPECIAL_TOKENS
 from llama_index.packs.self_rag_rse.served.apis import Layout, Refetched, ServerInfo
+from llama_index.packs.self_rag_rse.served.errors import MalformedResponse, ServerError
 from llama_index.packs.self_rag_rse.served.greedy import LLAMA_CPP, greedy_options
-from llama_index.packs.self_rag_rse.served.http import JSONClient, MalformedResponse, ServerError
+from llama_index.packs.self_rag_rse.served.http import JSONClient
 from llama_index.packs.self_rag_rse.served.wire import (
     Completion,
     MalformedBody,
@@ -72,7 +74,12 @@ class LlamaCppAPI:
                 self.client.url("/props"),
             )
         parts = await self._tokenize(SELF_RAG_SPECIAL_TOKENS, special=True)
-        ids = {t: p[0] for t, p in zip(SELF_RAG_SPECIAL_TOKENS, parts, strict=True) if len(p) == 1}
+        # A token the model lacks tokenizes into several pieces: it has no id here.
+        ids = {
+            token: part[0]
+            for token, part in zip(SELF_RAG_SPECIAL_TOKENS, parts, strict=True)
+            if len(part) == 1
+        }
         self._special_ids = frozenset(ids.values())
         n_vocab = None
         with contextlib.suppress(ServerError, KeyError, IndexError, TypeError, AttributeError):
@@ -80,17 +87,18 @@ class LlamaCppAPI:
             n_vocab = positive_count(models["data"][0].get("meta", {})["n_vocab"])
         if n_vocab is None:
             logger.info(
-                "no n_vocab from %s: exact follow-ups are off", self.client.url("/v1/models")
+                "no n_vocab from %s: exact follow-ups are off",
+                mask_url(self.client.url("/v1/models")),
             )
             self.can_refetch = False
-        model = props.get("model_alias") if isinstance(props.get("model_alias"), str) else None
+        alias = props.get("model_alias")
         return ServerInfo(
             api=self.name,
             keys={t: id_key(i) for t, i in ids.items()},
             verified=True,
             n_ctx=positive_count(settings.get("n_ctx")),
             n_vocab=n_vocab,
-            model=model,
+            model=alias if isinstance(alias, str) else None,
             server=LLAMA_CPP,
             sampling=dict(self.sampling),
         )
@@ -99,9 +107,12 @@ class LlamaCppAPI:
         """Token ids of each of ``texts`` from one ``/tokenize`` call; ``special``: the texts
         are special tokens (parsed as such, no BOS), else user text (BOS first, not parsed).
         """
+        # The texts with a separator id between each two: one request for all.
         content = [part for text in texts for part in (text, _SEPARATOR)][:-1]
-        options = {"add_special": not special, "parse_special": special}
-        body = await self.client.post("/tokenize", {"content": content, **options})
+        body = await self.client.post(
+            "/tokenize",
+            {"content": content, "add_special": not special, "parse_special": special},
+        )
         url = self.client.url("/tokenize")
         try:
             parts = split_tokens(body["tokens"], _SEPARATOR)
@@ -131,7 +142,8 @@ class LlamaCppAPI:
         after_prompt = _ids([info.keys[t] for t in layout.after_prompt])
         after_paragraph = _ids([info.keys[t] for t in layout.after_paragraph])
         tokens = await self.tokenize([prompt, *layout.paragraphs])
-        prefix, bodies = tokens[0] + after_prompt, tokens[1:]
+        prefix = tokens[0] + after_prompt
+        bodies = tokens[1:]
         if not layout.paragraphs:
             return [prefix]
         if info.n_ctx is None:
@@ -181,9 +193,9 @@ class LlamaCppAPI:
 
     def stream(
         self, info: ServerInfo, prompt: Any, max_new_tokens: int, top_n: int
-    ) -> AsyncIterator[Completion]:
+    ) -> AsyncGenerator[Completion, None]:
         body = {**self._body(prompt, max_new_tokens, top_n), "stream": True}
-        parse = StreamedCompletion(parse_native)
+        parse = StreamedCompletion(parse_native, most=max_new_tokens)
         return self.client.stream_parsed("/completion", body, parse, lambda c: c.finished)
 
     async def refetch(
@@ -196,11 +208,15 @@ class LlamaCppAPI:
         n = top_n if top_n is not None else info.n_vocab
         if n is None:
             raise ServerError(
-                "the server did not say its vocabulary size: cannot fetch a full distribution",
+                "the server did not say its vocabulary size (n_vocab in /v1/models): cannot "
+                "fetch a full distribution; pass missing_logprobs='bound', or serve the model "
+                "with a llama-server that reports it",
                 self.client.url("/v1/models"),
             )
-        body = self._body([*prompt, *_ids(generated)], 1, n)
-        body["logit_bias"] = [[force, 1000.0]]
+        body = {
+            **self._body([*prompt, *_ids(generated)], 1, n),
+            "logit_bias": [[force, 1000.0]],
+        }
         completion = await self.client.post_parsed("/completion", body, parse_native)
         if not completion.positions or not completion.positions[0].reported:
             url = self.client.url("/completion")
@@ -218,10 +234,12 @@ class LlamaCppAPI:
         generated = completion.keys[:position]
         values = await self._group(info, prompt, generated, members)
         if values is not None:
-            return Refetched(values, 1)
+            return Refetched(values=values, requests=1)
         # Another token outranked a biased one: the whole vocabulary at that position.
-        whole = await self.refetch(info, prompt, generated, None)
-        return Refetched({m: (whole.top or {}).get(m, float("-inf")) for m in members}, 2)
+        top = (await self.refetch(info, prompt, generated, None)).top or {}
+        return Refetched(
+            values={member: top.get(member, float("-inf")) for member in members}, requests=2
+        )
 
     async def _group(
         self, info: ServerInfo, prompt: Any, generated: Sequence[str], members: Sequence[str]
@@ -230,25 +248,27 @@ class LlamaCppAPI:
         # other token; top_k keeps exactly them and the sampler's softmax normalises them among
         # themselves. A shared bias leaves their differences, hence their ratios, as they were (to
         # float32 rounding at the bias's size: ~1e-5). Response: k numbers, not the vocabulary.
-        ids = [key_id(m) for m in members]
-        body = self._body([*prompt, *_ids(generated)], 1, len(ids))
-        body.update(
-            post_sampling_probs=True,
-            logit_bias=[[int(i), _GROUP_BIAS] for i in ids if i is not None],
-            samplers=["top_k", "temperature"],
-            top_k=len(ids),
-            temperature=1.0,
-            seed=0,
-        )
+        ids = [key_id(member) for member in members]
+        body = {
+            **self._body([*prompt, *_ids(generated)], 1, len(ids)),
+            "post_sampling_probs": True,
+            "logit_bias": [[int(i), _GROUP_BIAS] for i in ids if i is not None],
+            "samplers": ["top_k", "temperature"],
+            "top_k": len(ids),
+            "temperature": 1.0,
+            "seed": 0,
+        }
         found = await self.client.post_parsed("/completion", body, parse_native_post_sampling)
-        if not any(m in found for m in members) or any(k not in members for k in found):
+        # The bias isolated the group when what came back is some of it and nothing else.
+        if not any(member in found for member in members) or any(k not in members for k in found):
             return None
-        return {m: found.get(m, float("-inf")) for m in members}
+        return {member: found.get(member, float("-inf")) for member in members}
 
     async def answer_text(self, info: ServerInfo, completion: Completion, keep: list[int]) -> str:
         pieces = [completion.positions[i].piece for i in keep]
-        if all(p is not None for p in pieces):
+        if all(piece is not None for piece in pieces):
             return b"".join(p for p in pieces if p is not None).decode("utf-8", "ignore").strip()
+        # A token reported without its bytes: the server detokenizes the answer.
         ids = [key_id(completion.positions[i].key) for i in keep]
         body = await self.client.post("/detokenize", {"tokens": ids})
         content = body.get("content") if isinstance(body, Mapping) else None

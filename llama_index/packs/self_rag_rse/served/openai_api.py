@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
+from llama_index.packs.self_rag_rse.common.urls import mask_url
 from llama_index.packs.self_rag_rse.critic.reflection import (
     SELF_RAG_SPECIAL_TOKENS,
     MissingReflectionTokens,
@@ -42,6 +44,11 @@ from llama_index.packs.self_rag_rse.served.apis import (
     ServerInfo,
     clean_user_text,
 )
+from llama_index.packs.self_rag_rse.served.errors import (
+    MalformedResponse,
+    ServerHTTPError,
+    ServerNotReady,
+)
 from llama_index.packs.self_rag_rse.served.greedy import (
     LLAMA_CPP,
     LLAMA_CPP_PYTHON,
@@ -50,12 +57,7 @@ from llama_index.packs.self_rag_rse.served.greedy import (
     greedy_options,
     server_kind,
 )
-from llama_index.packs.self_rag_rse.served.http import (
-    JSONClient,
-    MalformedResponse,
-    ServerHTTPError,
-    ServerNotReady,
-)
+from llama_index.packs.self_rag_rse.served.http import JSONClient
 from llama_index.packs.self_rag_rse.served.llamacpp_api import LlamaCppAPI
 from llama_index.packs.self_rag_rse.served.wire import (
     Completion,
@@ -140,10 +142,9 @@ class OpenAIAPI:
         if kind == LLAMA_CPP and self.root is not None:
             # llama-server: ids from its native /tokenize, the same server's follow-ups.
             self._native = LlamaCppAPI(self.root, self.request_options)
-            info = await self._native.connect()
-            info.api, info.model, info.sampling = self.name, self.model, sampling
+            native = await self._native.connect()
             self.can_refetch = True
-            return info
+            return replace(native, api=self.name, model=self.model, sampling=sampling)
         info = await self._echo_probe(kind, sampling)
         ids = all(key_id(k) is not None for k in info.keys.values())
         lifted = ids and kind == VLLM and self.root is not None
@@ -156,10 +157,14 @@ class OpenAIAPI:
         except ServerNotReady:
             raise  # loading its model, restarting, or a proxy's 502: ask again, nothing cached
         except (ServerHTTPError, MalformedResponse) as exc:
-            logger.info("%s did not answer (%s): a generic server", self.client.url("/models"), exc)
+            logger.info(
+                "%s did not answer (%s): a generic server",
+                mask_url(self.client.url("/models")),
+                exc,
+            )
             return OPENAI
         kind = server_kind(models)
-        logger.info("%s is served by %s", self.client.base_url, kind)
+        logger.info("%s is served by %s", mask_url(self.client.base_url), kind)
         return kind
 
     async def _echo_probe(self, kind: str, sampling: dict[str, Any]) -> ServerInfo:
@@ -170,7 +175,9 @@ class OpenAIAPI:
             api=self.name, keys={}, verified=False, model=self.model, server=kind, sampling=sampling
         )
         try:
-            body = await self.client.post("/completions", self._body(info, probe, 1, 1, echo=True))
+            body = await self.client.post(
+                "/completions", self._body(info, probe, max_tokens=1, top_n=1, echo=True)
+            )
             tokens = parse_echo_tokens(body)
             text = body["choices"][0].get("text", "")
             if not (isinstance(text, str) and text.startswith(probe)):
@@ -182,28 +189,30 @@ class OpenAIAPI:
             logger.info(
                 "%s cannot echo prompt tokens (%s): the reflection tokens are assumed to decode to "
                 "their own text",
-                self.client.url("/completions"),
+                mask_url(self.client.url("/completions")),
                 exc,
             )
             info.keys = {t: t for t in SELF_RAG_SPECIAL_TOKENS}
             return info
-        info.keys, info.verified = self._keys(tokens), True
-        return info
+        return replace(info, keys=self._keys(tokens), verified=True)
 
     def _keys(self, echoed: Sequence[str]) -> dict[str, str]:
         n = len(SELF_RAG_SPECIAL_TOKENS)
         tail = list(echoed[-n:])
-        if len(tail) == n and all(key_id(k) is not None for k in tail):
+        if len(tail) == n and all(key_id(key) is not None for key in tail):
             return dict(zip(SELF_RAG_SPECIAL_TOKENS, tail, strict=True))
-        found = [t for t in SELF_RAG_SPECIAL_TOKENS if t in echoed]
+        found = [token for token in SELF_RAG_SPECIAL_TOKENS if token in echoed]
         if len(found) == n:
-            return {t: t for t in SELF_RAG_SPECIAL_TOKENS}
-        if len(tail) == n and sum(1 for k in tail if k == "") > n // 2:
+            return {token: token for token in SELF_RAG_SPECIAL_TOKENS}
+        # Most of them echoed as "": they are there, but decode to nothing.
+        if len(tail) == n and sum(1 for key in tail if key == "") > n // 2:
             raise ReflectionTokensUnidentifiable(self._unidentifiable())
-        raise MissingReflectionTokens([t for t in SELF_RAG_SPECIAL_TOKENS if t not in found], found)
+        raise MissingReflectionTokens(
+            [token for token in SELF_RAG_SPECIAL_TOKENS if token not in found], found
+        )
 
     def _unidentifiable(self) -> str:
-        return (
+        return mask_url(
             f"{self.client.url('/completions')} decodes the Self-RAG reflection tokens to empty "
             "strings (the GGUF types them CONTROL, or the server skips special tokens), so its "
             "log-probs, keyed by decoded text, cannot tell them apart: serve the model with "
@@ -225,20 +234,26 @@ class OpenAIAPI:
     async def complete(
         self, info: ServerInfo, prompt: Any, max_new_tokens: int, top_n: int
     ) -> Completion:
-        body = self._body(info, prompt, max_new_tokens, top_n)
+        body = self._body(info, prompt, max_tokens=max_new_tokens, top_n=top_n)
         parse = partial(parse_openai, with_ids=self._native is not None)
         completion = await self.client.post_parsed("/completions", body, parse)
         if completion.positions and not any(p.top for p in completion.positions):
-            url = self.client.url("/completions")  # a server (or a proxy) that drops them
-            raise MalformedResponse(f"{url} returned no top log-probs (asked {top_n})", url)
+            url = self.client.url("/completions")
+            raise MalformedResponse(
+                f"{url} returned no top log-probs (asked {top_n}): the server, or a proxy before "
+                "it, drops the logprobs field; serve the model with llama.cpp's llama-server, "
+                "llama-cpp-python's server or vLLM, which return it",
+                url,
+            )
         return completion
 
     def stream(
         self, info: ServerInfo, prompt: Any, max_new_tokens: int, top_n: int
-    ) -> AsyncIterator[Completion]:
-        body = self._body(info, prompt, max_new_tokens, top_n, stream=True)
+    ) -> AsyncGenerator[Completion, None]:
+        body = self._body(info, prompt, max_tokens=max_new_tokens, top_n=top_n, stream=True)
         parse = StreamedCompletion(
-            partial(parse_openai, with_ids=self._native is not None, chunk=True)
+            partial(parse_openai, with_ids=self._native is not None, chunk=True),
+            most=max_new_tokens,
         )
         return self.client.stream_parsed("/completions", body, parse, lambda c: c.finished)
 
@@ -247,13 +262,19 @@ class OpenAIAPI:
     ) -> Position:
         if self._native is not None:
             return await self._native.refetch(info, prompt, generated, top_n)
-        n = top_n if top_n is not None else self._most(info) or 1
+        n = top_n if top_n is not None else (self._most(info) or 1)
+        # Text keys: the server regenerates the answer up to the position, which it must report.
         got = await self.complete(info, prompt, len(generated) + 1, n)
-        position = got.positions[len(generated)] if len(got.positions) > len(generated) else None
-        if got.keys[: len(generated)] != list(generated) or position is None:
+        same_tokens = got.keys[: len(generated)] == list(generated)
+        if not same_tokens or len(got.positions) <= len(generated):
             url = self.client.url("/completions")
-            raise MalformedResponse(f"{url} did not regenerate a position it left unreported", url)
-        return position
+            raise MalformedResponse(
+                f"{url} did not regenerate a position it left unreported (greedy decoding gave "
+                "other tokens, or fewer): pass missing_logprobs='bound', or serve the model with "
+                "llama.cpp's llama-server, whose follow-ups need no regeneration",
+                url,
+            )
+        return got.positions[len(generated)]
 
     async def refetch_group(
         self,
@@ -266,33 +287,42 @@ class OpenAIAPI:
         if self._native is not None:
             n = len(completion.positions)
             if completion.extra.get("completion_tokens", n) != n:
-                return Refetched(None, 0, "the server left positions out of its log-probs")
+                return Refetched(
+                    values=None, requests=0, why="the server left positions out of its log-probs"
+                )
             return await self._native.refetch_group(info, prompt, completion, position, members)
         reported = completion.positions[position]
         shown = len(reported.top or {})
         most = max(self._most(info) or shown, shown)
-        ids = [key_id(m) for m in members]
-        if all(i is not None for i in ids) and info.server == VLLM and self.root is not None:
-            return await self._lifted(info, prompt, completion, position, members)
+        id_keyed = all(key_id(member) is not None for member in members)
+        if id_keyed and info.server == VLLM and self.root is not None:
+            return await self._lifted(info, prompt, completion, position, members, most=most)
         if most <= shown:
-            return Refetched(None, 0, f"the server returns no more than the {shown} shown")
+            return Refetched(
+                values=None, requests=0, why=f"the server returns no more than the {shown} shown"
+            )
         # Text keys: continuing the prompt by the generated text would re-tokenize it (llama.cpp
         # puts a space before text that follows a special token), so the server regenerates the
         # answer up to the position instead; greedy decoding must give the same tokens again.
         got = await self.complete(info, prompt, position + 1, most)
         if got.keys[: position + 1] != completion.keys[: position + 1]:
-            return Refetched(None, 1, "the server regenerated other tokens")
+            return Refetched(values=None, requests=1, why="the server regenerated other tokens")
         again = got.positions[position]
         top = again.top or {}
         # Same context, same numbers: the token's own log-prob and the group members shown.
         # (Not every key: keys are decoded text, and tokens that decode alike share one.)
         pairs = [(again.logprob, reported.logprob)]
-        pairs += [(top.get(m), v) for m, v in (reported.top or {}).items() if m in members]
-        if any(a is None or b is None or abs(a - b) > _SAME_CONTEXT for a, b in pairs):
-            return Refetched(None, 1, "the server regenerated another distribution")
-        if any(m not in top for m in members):
-            return Refetched(None, 1, f"the group is not in the top {len(top)}")
-        return Refetched({m: top[m] for m in members}, 1)
+        pairs += [(top.get(m), value) for m, value in (reported.top or {}).items() if m in members]
+        if any(
+            now is None or before is None or abs(now - before) > _SAME_CONTEXT
+            for now, before in pairs
+        ):
+            return Refetched(
+                values=None, requests=1, why="the server regenerated another distribution"
+            )
+        if any(member not in top for member in members):
+            return Refetched(values=None, requests=1, why=f"the group is not in the top {len(top)}")
+        return Refetched(values={member: top[member] for member in members}, requests=1)
 
     async def _lifted(
         self,
@@ -301,29 +331,36 @@ class OpenAIAPI:
         completion: Completion,
         position: int,
         members: Sequence[str],
+        *,
+        most: int,
     ) -> Refetched:
         """One token after the prompt's ids (vLLM's /tokenize) and the generated ids, the
         group lifted by one shared logit bias: a server that reports log-probs after the bias
-        lists the group first; their ratios are the raw ones.
+        lists the group first; their ratios are the raw ones. ``most``: the log-probs to ask
+        for (as many as the server returns, at least as many as the completion showed).
         """
-        generated = [key_id(k) for k in completion.keys[:position]]
+        generated = [key_id(key) for key in completion.keys[:position]]
         if any(i is None for i in generated):
-            return Refetched(None, 0, "a generated token has no id")
-        requests, continued = 0, prompt
+            return Refetched(values=None, requests=0, why="a generated token has no id")
+        requests = 0
+        continued = prompt
         if generated:
             head = self._prompt_ids.get(prompt)
             if head is None:
-                head = self._prompt_ids[prompt] = await self._tokenize(prompt)
+                head = await self._tokenize(prompt)
+                self._prompt_ids[prompt] = head
                 requests += 1
             continued = head + [int(i) for i in generated if i is not None]
-        most = max(self._most(info) or 0, len(completion.positions[position].top or {}))
-        bias = {str(key_id(m)): _LIFT for m in members}
-        body = self._body(info, continued, 1, most, logit_bias=bias)
+        bias = {str(key_id(member)): _LIFT for member in members}
+        body = self._body(info, continued, max_tokens=1, top_n=most, logit_bias=bias)
         got = await self.client.post_parsed("/completions", body, parse_openai)
+        requests += 1
         top = got.positions[0].top if got.positions else None
-        if not top or any(m not in top for m in members):
-            return Refetched(None, requests + 1, "the lifted group is not in the top reported")
-        return Refetched({m: top[m] for m in members}, requests + 1)
+        if not top or any(member not in top for member in members):
+            return Refetched(
+                values=None, requests=requests, why="the lifted group is not in the top reported"
+            )
+        return Refetched(values={member: top[member] for member in members}, requests=requests)
 
     async def _tokenize(self, prompt: str) -> list[int]:
         """The prompt's token ids from vLLM's ``/tokenize`` (as its completions tokenize it)."""
@@ -333,12 +370,12 @@ class OpenAIAPI:
             body["model"] = self.model
         answer = await self.root.post("/tokenize", body)
         tokens = answer.get("tokens") if isinstance(answer, Mapping) else None
-        if not isinstance(tokens, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in tokens
+        if isinstance(tokens, list) and all(
+            isinstance(token, int) and not isinstance(token, bool) for token in tokens
         ):
-            url = self.root.url("/tokenize")
-            raise MalformedResponse(f"{url} answered no 'tokens' list", url)
-        return tokens
+            return tokens
+        url = self.root.url("/tokenize")
+        raise MalformedResponse(f"{url} answered no 'tokens' list of token ids", url)
 
     def _most(self, info: ServerInfo) -> int | None:
         """The most log-probs per position this server returns, when known."""
@@ -369,6 +406,7 @@ class OpenAIAPI:
         if self._native is not None:
             return True  # llama-server lists it last, as natively
         last = completion.positions[-1].key
+        # Nothing, or a special token's text, as "</s>" or "<|im_end|>".
         return last == "" or (last.startswith("<") and last.endswith(">") and " " not in last)
 
 

@@ -1,8 +1,8 @@
 """The reflection critic over a model server: Self-RAG's own tokens, scored from served log-probs.
 
 Same prompts, same greedy decoding, same formulas and the same scoring code (``score_generation``
-and ``retrieval_probability`` of :mod:`..self_rag.reflection`) as the in-process
-:class:`~..self_rag.reflection_critic.ReflectionCritic`; only the decoding happens elsewhere.
+and ``retrieval_probability`` of :mod:`..critic.reflection`) as the in-process
+:class:`~..llamacpp.reflection_critic.ReflectionCritic`; only the decoding happens elsewhere.
 The gate is one request; judging k paragraphs is k concurrent requests (plus one ``/tokenize``
 on llama.cpp), at most ``num_workers`` in flight.
 
@@ -26,6 +26,7 @@ IsSUP and IsUSE: the grounding or utility group where one was generated; the gat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -36,6 +37,7 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.packs.self_rag_rse.common.bridge import run_sync
 from llama_index.packs.self_rag_rse.common.options import require_counts
 from llama_index.packs.self_rag_rse.common.streams import unsent_rest
+from llama_index.packs.self_rag_rse.common.urls import mask_url
 from llama_index.packs.self_rag_rse.critic.contract import (
     BaseCritic,
     Continuation,
@@ -55,34 +57,28 @@ from llama_index.packs.self_rag_rse.critic.reflection import (
 from llama_index.packs.self_rag_rse.served.answers import (
     answer_of,
     each_or_error,
-    fit_passage,
     group_needs,
-    paragraph_marks,
     reflection_matrix,
     scores_of,
     text_so_far,
-    token_api,
-    write_segment,
 )
 from llama_index.packs.self_rag_rse.served.apis import CompletionAPI, Layout, ServerInfo
 from llama_index.packs.self_rag_rse.served.endpoint import endpoint_of, split_url
-from llama_index.packs.self_rag_rse.served.followups import Followups
-from llama_index.packs.self_rag_rse.served.greedy import check_greedy, request_fields
-from llama_index.packs.self_rag_rse.served.http import (
-    JSONClient,
+from llama_index.packs.self_rag_rse.served.errors import (
     MalformedResponse,
     ServerHTTPError,
     ServerNotReady,
 )
+from llama_index.packs.self_rag_rse.served.followups import Followups
+from llama_index.packs.self_rag_rse.served.greedy import check_greedy, request_fields
+from llama_index.packs.self_rag_rse.served.http import MAX_RESPONSE_BYTES, JSONClient
 from llama_index.packs.self_rag_rse.served.llamacpp_api import LlamaCppAPI
+from llama_index.packs.self_rag_rse.served.long_form import token_api, write_segments
 from llama_index.packs.self_rag_rse.served.openai_api import OpenAIAPI
 from llama_index.packs.self_rag_rse.served.wire import Completion
 
 logger = logging.getLogger(__name__)
 dispatcher = get_dispatcher(__name__)
-
-Api = Literal["auto", "llama.cpp", "openai"]
-Missing = Literal["auto", "refetch", "bound"]
 
 
 class ServedReflectionCritic(BaseCritic):
@@ -106,7 +102,11 @@ class ServedReflectionCritic(BaseCritic):
             OpenAI-style servers ask for (vLLM: its ``--max-logprobs``). ``None``: the whole
             vocabulary on llama-cpp-python's server, ``top_logprobs`` elsewhere.
         num_workers: requests in flight at once; match the server's parallel slots.
-        timeout: seconds one request may take in all (sending, waiting, reading every byte).
+        timeout: seconds one request may take in all (sending, waiting, reading and decoding
+            every byte, parsing).
+        max_response_bytes: the most bytes one answer may hold, as sent and as decoded
+            (16 MiB: a 50-token completion with 20 log-probs is ~88 KB); a larger answer (a
+            gzip bomb, a body that never ends) is ``MalformedResponse`` naming the URL and it.
         n_ctx: positions per server slot, for shortening long paragraphs; llama.cpp reports it,
             other servers reject an over-long prompt instead (the paragraph then has ``error``).
         request_options: extra fields for every completion request, over the greedy ones the
@@ -141,14 +141,15 @@ class ServedReflectionCritic(BaseCritic):
         base_url: str,
         *,
         model: str | None = None,
-        api: Api = "auto",
+        api: Literal["auto", "llama.cpp", "openai"] = "auto",
         api_key: str | None = None,
         max_new_tokens: int = 50,
         top_logprobs: int = 20,
-        missing_logprobs: Missing = "auto",
+        missing_logprobs: Literal["auto", "refetch", "bound"] = "auto",
         max_logprobs: int | None = None,
         num_workers: int = 8,
         timeout: float = 120.0,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
         n_ctx: int | None = None,
         request_options: Mapping[str, Any] | None = None,
     ) -> None:
@@ -158,8 +159,14 @@ class ServedReflectionCritic(BaseCritic):
             raise ValueError(
                 f"missing_logprobs must be 'auto', 'refetch' or 'bound', got {missing_logprobs!r}"
             )
-        counts = dict(max_new_tokens=max_new_tokens, top_logprobs=top_logprobs, n_ctx=n_ctx)
-        require_counts("ServedReflectionCritic", **counts, max_logprobs=max_logprobs)
+        require_counts(
+            "ServedReflectionCritic",
+            max_new_tokens=max_new_tokens,
+            top_logprobs=top_logprobs,
+            n_ctx=n_ctx,
+            max_logprobs=max_logprobs,
+            max_response_bytes=max_response_bytes,
+        )
         if max_logprobs is not None and max_logprobs < top_logprobs:
             raise ValueError(
                 f"max_logprobs ({max_logprobs}) must be >= top_logprobs ({top_logprobs}): it is "
@@ -167,8 +174,10 @@ class ServedReflectionCritic(BaseCritic):
             )
         for name, value in (("model", model), ("api_key", api_key)):
             if not isinstance(value, str | None):
-                message = f"{name} must be a string or None, got {type(value).__name__}"
-                raise TypeError(f"ServedReflectionCritic: {message}")
+                raise TypeError(
+                    f"ServedReflectionCritic: {name} must be a string or None, got "
+                    f"{type(value).__name__}"
+                )
         self.root, self.openai_base = split_url(base_url)
         self.model = model
         self.api = api
@@ -179,9 +188,14 @@ class ServedReflectionCritic(BaseCritic):
         self.n_ctx = n_ctx
         self.request_options = request_fields(request_options)
         client = functools.partial(
-            JSONClient, timeout=timeout, num_workers=num_workers, api_key=api_key
+            JSONClient,
+            timeout=timeout,
+            num_workers=num_workers,
+            api_key=api_key,
+            max_response_bytes=max_response_bytes,
         )
-        self._root_client, self._openai_client = client(self.root), client(self.openai_base)
+        self._root_client = client(self.root)
+        self._openai_client = client(self.openai_base)
         self._followups = Followups(top_logprobs, refetch=missing_logprobs != "bound")
         self._backend: CompletionAPI | None = None
         self._info: ServerInfo | None = None
@@ -236,20 +250,21 @@ class ServedReflectionCritic(BaseCritic):
             raise ValueError(
                 f"missing_logprobs='refetch' needs a server that returns more log-probs than "
                 f"a completion asks for (llama-server, llama-cpp-python's server, or "
-                f"max_logprobs= for another): {self.root} is none; use missing_logprobs='bound'"
+                f"max_logprobs= for another): {mask_url(self.root)} is none; use "
+                "missing_logprobs='bound'"
             )
         if not info.verified:
             logger.warning(
                 "%s cannot confirm the reflection tokens (no echo): scores assume they decode to "
                 "their own text; a CONTROL-typed GGUF needs llama.cpp's native API",
-                self.openai_base,
+                mask_url(self.openai_base),
             )
-        self._backend, self._info = backend, info
+        self._backend, self._info = backend, info  # connected: both are set together
         logger.info(
             "served reflection critic: %s API of %s at %s, sending %s",
             info.api,
             info.server,
-            backend.client.base_url,
+            mask_url(backend.client.base_url),
             info.sampling,
         )
         return info
@@ -277,9 +292,8 @@ class ServedReflectionCritic(BaseCritic):
             raise  # llama-server answers 503 to every path while it loads: not another server
         except (ServerHTTPError, MalformedResponse):  # not llama.cpp (404, an HTML page...)
             return openai
-        if isinstance(props, Mapping) and "default_generation_settings" in props:
-            return native
-        return openai
+        llama_cpp = isinstance(props, Mapping) and "default_generation_settings" in props
+        return native if llama_cpp else openai
 
     async def _ready(self) -> tuple[CompletionAPI, ServerInfo]:
         info = await self.aconnect()
@@ -308,14 +322,15 @@ class ServedReflectionCritic(BaseCritic):
         retrieval_key = info.keys[RETRIEVAL]
         if threshold is None and retrieval_key in keys:
             del completion.positions[keys.index(retrieval_key) + 1 :]
-        if not completion.positions:
-            probability, retrieve = 0.0, False
-        else:
+        probability = 0.0
+        retrieve = False
+        if completion.positions:
             await self._followups.complete_positions(
                 backend, info, prompt, completion, [(0, "retrieval")]
             )
             probability = retrieval_probability(reflection_matrix(info, completion))
-            retrieve = probability > threshold if threshold is not None else retrieval_key in keys
+            # Without a threshold, the greedy continuation decides.
+            retrieve = retrieval_key in keys if threshold is None else probability > threshold
         answer = None
         if not retrieve and answer_if_skipped:
             answer = await self.agenerate(query)
@@ -345,9 +360,7 @@ class ServedReflectionCritic(BaseCritic):
         results = await asyncio.gather(
             *(self._judge_one(backend, info, p) for p in prompts), return_exceptions=True
         )
-        judgements = each_or_error(
-            results, lambda i, e: ParagraphJudgement("", 0.0, 0.0, 0.0, error=e)
-        )
+        judgements = each_or_error(results, _failed_judgement)
         for judgement, cut in zip(judgements, layout.cuts, strict=False):
             if cut:  # the paragraph's tokens left out to fit n_ctx, shown in its row
                 judgement.details["passage_cut"] = cut
@@ -379,16 +392,22 @@ class ServedReflectionCritic(BaseCritic):
         url = backend.client.url(backend.endpoint)
         completion = Completion([], "", stopped=False)
         emitted = ""
-        async for chunk in backend.stream(info, prompt, self.max_new_tokens, 1):
-            start = len(completion.positions)
-            completion.extend(chunk)
-            check_greedy(completion, server=info.server, url=url, sent=info.sampling, start=start)
-            if completion.extra.get("left_out"):
-                continue
-            text = text_so_far(info, completion)
-            if text is not None and len(text) > len(emitted) and text.startswith(emitted):
-                yield text[len(emitted) :]
-                emitted = text
+        # Closed with this stream: a reader that stops early stops the request at once.
+        async with contextlib.aclosing(
+            backend.stream(info, prompt, self.max_new_tokens, 1)
+        ) as chunks:
+            async for chunk in chunks:
+                start = len(completion.positions)
+                completion.extend(chunk)
+                check_greedy(
+                    completion, server=info.server, url=url, sent=info.sampling, start=start
+                )
+                if completion.extra.get("left_out"):
+                    continue
+                text = text_so_far(info, completion)
+                if text is not None and len(text) > len(emitted) and text.startswith(emitted):
+                    yield text[len(emitted) :]
+                    emitted = text
         # A token named "" (llama-cpp-python's for one ending inside a character) streamed no text.
         if completion.extra.get("left_out") or "" in completion.keys[:-1]:
             completion = await backend.complete(info, prompt, self.max_new_tokens, 1)
@@ -412,65 +431,27 @@ class ServedReflectionCritic(BaseCritic):
         self, branches: Sequence[tuple[tuple[int, ...], str]], boundary_threshold: float | None
     ) -> list[Continuation]:
         """One segment per ``(context, paragraph)``, all requests concurrent (see
-        :func:`~.answers.write_segment`); a branch whose request failed comes back with
+        :func:`~.long_form.write_segments`); a branch whose request failed comes back with
         ``error`` set.
         """
         if not branches:
             return []
         backend, info = await self._ready()
-        before, after = paragraph_marks(info)
-        texts = ["", *(p for _, p in branches)]  # the first gets BOS
-        bodies = (await token_api(backend, self.openai_base).tokenize(texts))[1:]
-        passages = [[*before, *body, *after] for body in bodies]
-        prompts = [
-            fit_passage(info, context, passage, self.max_new_tokens)
-            for (context, _), passage in zip(branches, passages, strict=True)
-        ]
-        results = await asyncio.gather(
-            *(
-                write_segment(
-                    backend,
-                    info,
-                    self._followups,
-                    prompt,
-                    context,
-                    self.max_new_tokens,
-                    self.top_logprobs,
-                    boundary_threshold,
-                )
-                for (context, _), prompt in zip(branches, prompts, strict=True)
-            ),
-            return_exceptions=True,
+        return await write_segments(
+            backend,
+            info,
+            self._followups,
+            branches,
+            url=self.openai_base,
+            max_new_tokens=self.max_new_tokens,
+            top_n=self.top_logprobs,
+            boundary_threshold=boundary_threshold,
         )
-        segments = each_or_error(
-            results,
-            lambda i, e: Continuation(
-                "", 0.0, 0.0, 0.0, error=e, context=branches[i][0], stop="error"
-            ),
-        )
-        for segment, (context, _), passage, prompt in zip(
-            segments, branches, passages, prompts, strict=True
-        ):
-            if cut := len(context) + len(passage) - len(prompt):
-                segment.details["passage_cut"] = cut  # shown in the segment's row
-        return segments
 
     def close(self) -> None:
         """Close the HTTP connections (the server, and the model on it, keep running)."""
         self._root_client.close()
         self._openai_client.close()
-
-    def describe(self) -> dict[str, Any]:
-        """Where the critic sends its requests, and what it found there."""
-        info = self._info
-        return {
-            "critic": self.name,
-            "url": self.root,
-            "api": info.api if info else self.api,
-            "server": info.server if info else None,
-            "model": (info.model if info else None) or self.model,
-            "requests": self.requests,
-        }
 
     # --- one paragraph ----------------------------------------------------------------------------
 
@@ -483,10 +464,22 @@ class ServedReflectionCritic(BaseCritic):
         details = await self._followups.complete_positions(backend, info, prompt, completion, needs)
         scores = scores_of(info, completion, len(completion.positions))
         answer = await answer_of(backend, info, completion)
-        return ParagraphJudgement(answer, *scores.as_tuple(), details=details)
+        return ParagraphJudgement(
+            answer=answer,
+            relevance=scores.relevance,
+            support=scores.support,
+            utility=scores.utility,
+            seq_score=scores.seq_score,
+            details=details,
+        )
 
     async def _prompt(
         self, backend: CompletionAPI, info: ServerInfo, query: str, layout: Layout
     ) -> Any:
         (prompt,) = await backend.prompts(info, PROMPT_TEMPLATE.format(query=query), layout)
         return prompt
+
+
+def _failed_judgement(index: int, error: str) -> ParagraphJudgement:
+    """The row of a paragraph whose request failed: no answer, zero scores, the error."""
+    return ParagraphJudgement(answer="", relevance=0.0, support=0.0, utility=0.0, error=error)

@@ -222,7 +222,7 @@ def parse_native(body: Any) -> Completion:
             f"{len(entries)} completion_probabilities entries do not follow the "
             f"{len(tokens)} generated tokens"
         )
-    run = 0
+    run = 0  # unreported positions in a row
     for position in positions:
         run = 0 if position.reported else run + 1
         if run > _MAX_GAP:
@@ -233,8 +233,8 @@ def parse_native(body: Any) -> Completion:
     text = body.get("content", "")
     predicted = body.get("tokens_predicted")
     return Completion(
-        positions,
-        text if isinstance(text, str) else "",
+        positions=positions,
+        text=text if isinstance(text, str) else "",
         stopped=body.get("stop_type") == "eos",
         extra={"tokens_predicted": predicted if isinstance(predicted, int) else None},
         finished=body.get("stop") is not False,  # a streamed event says whether it is the last
@@ -249,10 +249,13 @@ class StreamedCompletion:
     sent twice would put its tokens in the answer twice: :class:`MalformedBody`. Tokens counted
     but never streamed (llama-server holds back a token that ends inside a UTF-8 character and
     sends its text, not its id, with the next one) add up in each chunk's ``extra["left_out"]``.
+    More tokens than the ``most`` asked for (a server or proxy that ignores the length, or
+    repeats events without a count) would lengthen the answer: :class:`MalformedBody`.
     """
 
-    def __init__(self, parse: Callable[[Any], Completion]) -> None:
+    def __init__(self, parse: Callable[[Any], Completion], most: int) -> None:
         self.parse = parse
+        self.most = most
         self.generated = 0  # the server's count at its last report
         self.since = 0  # positions read since then
         self.text_end: int | None = None  # where the text of the last token read ends
@@ -269,7 +272,13 @@ class StreamedCompletion:
                     f"{self.since} more were streamed: the stream repeats or reorders events"
                 )
             self.left_out += count - self.generated - self.since
-            self.generated, self.since = count, 0
+            self.generated, self.since = count, 0  # the counters restart together
+        if self.generated + self.since > self.most:
+            raise MalformedBody(
+                f"the server streamed {self.generated + self.since} tokens, more than the "
+                f"{self.most} asked for: it ignores the answer's length (max_tokens, n_predict), "
+                "or the stream repeats events"
+            )
         for position in chunk.positions:
             if position.offset is None:
                 continue
@@ -278,6 +287,7 @@ class StreamedCompletion:
                     f"a token at text offset {position.offset} starts before the text read so "
                     f"far ends ({self.text_end}): the stream repeats or reorders events"
                 )
+            # A text key is the token's text; an id key stands for text of unknown length.
             text = len(position.key) if key_id(position.key) is None else 0
             self.text_end = position.offset + text
         chunk.extra["left_out"] = self.left_out
@@ -327,7 +337,7 @@ def parse_openai(body: Any, with_ids: bool = False, chunk: bool = False) -> Comp
     )
     extra: dict[str, Any] = {"completion_tokens": generated} if generated is not None else {}
     if chunk and logprobs is None and not text:
-        return Completion([], text, stopped, extra, finished)
+        return Completion(positions=[], text=text, stopped=stopped, extra=extra, finished=finished)
     if not isinstance(logprobs, Mapping):
         raise MalformedBody("choices[0].logprobs is missing: the server ignored 'logprobs'")
     positions: list[Position] = []
@@ -342,10 +352,13 @@ def parse_openai(body: Any, with_ids: bool = False, chunk: bool = False) -> Comp
                 if raw is not None:
                     pieces.setdefault(key, raw)
             else:
-                key, pieces = str(entry.get("token", "")), {}
+                key = str(entry.get("token", ""))
+                pieces = {}
             logprob = _logprob(entry.get("logprob"), i, "the token's logprob")
             positions.append(Position(key, logprob, top, pieces))
-        return Completion(positions, text, stopped, extra, finished)
+        return Completion(
+            positions=positions, text=text, stopped=stopped, extra=extra, finished=finished
+        )
     tokens = _require(logprobs, "tokens", list)
     token_logprobs = _require(logprobs, "token_logprobs", list)
     tops = logprobs.get("top_logprobs") or [None] * len(tokens)
@@ -359,14 +372,18 @@ def parse_openai(body: Any, with_ids: bool = False, chunk: bool = False) -> Comp
             raise MalformedBody(f"token {token!r} is not a string")
         if top is not None and not isinstance(top, Mapping):
             raise MalformedBody("a top_logprobs entry is not an object")
-        candidates = None
-        if top is not None:
-            candidates = {str(k): _logprob(v, i, f"candidate {str(k)!r}") for k, v in top.items()}
+        candidates = (
+            {str(k): _logprob(v, i, f"candidate {str(k)!r}") for k, v in top.items()}
+            if top is not None
+            else None
+        )
         chosen = None if lp is None else _logprob(lp, i, "the token's logprob")
         if offset is not None and (isinstance(offset, bool) or not isinstance(offset, int)):
             raise MalformedBody(f"text_offset {offset!r} is not an integer")
         positions.append(Position(token, chosen, candidates, offset=offset))
-    return Completion(positions, text, stopped, extra, finished)
+    return Completion(
+        positions=positions, text=text, stopped=stopped, extra=extra, finished=finished
+    )
 
 
 def parse_echo_tokens(body: Any) -> list[str]:
@@ -392,3 +409,36 @@ def split_tokens(tokens: Sequence[Any], separator: int) -> list[list[int]]:
         else:
             parts[-1].append(token)
     return parts
+
+
+def completion_counts(answer: Any) -> tuple[str, int, int]:
+    """A completion's text, the prompt tokens the server evaluated for it and the tokens it
+    generated, as its answer reports them (for tracing): llama-server's ``timings``
+    (``prompt_n``: what its prompt cache did not hold; ``predicted_n``), else OpenAI's
+    ``usage`` (``prompt_tokens``, ``completion_tokens``: vLLM, llama-cpp-python), else
+    llama.cpp's native ``tokens_evaluated`` and ``tokens_predicted``. What an answer leaves out
+    or gets wrong (its parser reports that) shows as "" or 0: tracing never fails a request.
+    """
+    body = _mapping(answer)
+    timings = _mapping(body.get("timings"))
+    usage = _mapping(body.get("usage"))
+    text = body.get("content")
+    choices = body.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], Mapping):
+        text = choices[0].get("text")
+    prompt = usage.get("prompt_tokens", body.get("tokens_evaluated"))
+    completion = usage.get("completion_tokens", body.get("tokens_predicted"))
+    prompt_tokens = _count(timings.get("prompt_n", prompt))
+    completion_tokens = _count(timings.get("predicted_n", completion))
+    return text if isinstance(text, str) else "", prompt_tokens, completion_tokens
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    """``value`` when it is a mapping, else an empty one."""
+    return value if isinstance(value, Mapping) else {}
+
+
+def _count(value: Any) -> int:
+    """A token count an answer reported, else 0."""
+    is_count = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return value if is_count else 0
